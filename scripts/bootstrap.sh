@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Sets up everything Waltz needs on a Debian 12 machine, idempotently:
+#   - the Debian packages: zookeeper (and a Java runtime if none is installed);
+#   - a virtual environment in .venv with Waltz and its test (and, with --spark, Spark) extras.
+# Re-running it is cheap: each step is skipped when already done.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+EXTRAS="test"
+for arg in "$@"; do
+  case "$arg" in
+    --spark) EXTRAS="test,spark" ;;
+    *) echo "bootstrap: unknown option $arg" >&2; exit 2 ;;
+  esac
+done
+
+as_root() {
+  if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+    echo "bootstrap: need root to run: $*" >&2; exit 1; fi
+}
+
+apt_packages=()
+command -v java >/dev/null 2>&1 || apt_packages+=(default-jre-headless)
+[ -f /usr/share/java/zookeeper.jar ] || apt_packages+=(zookeeper)
+if [ ${#apt_packages[@]} -gt 0 ]; then
+  echo "bootstrap: installing Debian packages: ${apt_packages[*]}"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
+fi
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "bootstrap: creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+
+# Reinstall only when the package metadata or the requested extras changed.
+stamp=".venv/.waltz-installed"
+want="$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)-$EXTRAS"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "bootstrap: installing Waltz and its [$EXTRAS] extras into .venv"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
+  # compat mode: the flat twisted/plugins layout stays visible to twistd (see docs/operations.md).
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]" \
+      --config-settings editable_mode=compat
+  echo "$want" > "$stamp"
+fi

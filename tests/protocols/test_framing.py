@@ -1,0 +1,281 @@
+"""Framing, Hello negotiation, keep-alives, bad input and back pressure of WaltzProtocol.
+
+These tests use a tiny test-only message family (magic ``T``) so that they pin
+the framing layer alone; the real families are exercised in test_messages*.py
+and test_connections.py.
+"""
+
+import struct
+
+import pytest
+from twisted.internet import defer
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.logger import globalLogPublisher
+from twisted.test import iosim
+
+from waltz.protocols.base import WaltzProtocol
+from waltz.protocols.errors import DecodeError, UnknownMessageType
+from waltz.protocols.framing import Hello, encode_frame, negotiate
+from waltz.protocols.errors import HandshakeError
+
+
+class EchoCodec:
+    """Test family: payload = type byte 1 followed by the message bytes."""
+
+    magic = b"T"
+
+    def __init__(self, versions=(1, 2)):
+        self.versions = versions
+
+    def encode(self, message, version):
+        return b"\x01" + message
+
+    def decode(self, payload, version):
+        if payload[0] != 1:
+            raise UnknownMessageType("unknown message type %d" % payload[0])
+        if payload[1:2] == b"!":
+            raise DecodeError("short body: test")
+        return bytes(payload[1:])
+
+
+class RecordingProtocol(WaltzProtocol):
+    hello_name = "Test Peer"
+
+    def __init__(self, codec=None, results=None):
+        super().__init__()
+        self.codec = codec or EchoCodec()
+        self.received = []
+        self.readies = 0
+        self.results = results  # callable returning what messageReceived returns
+        self.paused_events = []
+
+    def connectionReady(self):
+        self.readies += 1
+
+    def messageReceived(self, message):
+        self.received.append(message)
+        if message == b"boom":
+            raise RuntimeError("handler exploded")
+        return self.results(message) if self.results else None
+
+    def outboundPaused(self):
+        self.paused_events.append("paused")
+
+    def outboundResumed(self):
+        self.paused_events.append("resumed")
+
+
+def hello_frame(versions=(1, 2), name="Other"):
+    return Hello(tuple(versions), name).to_frame()
+
+
+def frame(body, version=2, magic=b"T"):
+    return encode_frame(magic, version, b"\x01" + body)
+
+
+@pytest.fixture
+def logged():
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    yield events
+    globalLogPublisher.removeObserver(events.append)
+
+
+def connect(proto):
+    transport = StringTransport()
+    proto.makeConnection(transport)
+    return transport
+
+
+def ready(proto=None, versions=(1, 2)):
+    proto = proto or RecordingProtocol()
+    transport = connect(proto)
+    proto.dataReceived(hello_frame(versions))
+    transport.clear()
+    return proto, transport
+
+
+def reasons(events):
+    return [e.get("reason", "") for e in events if "reason" in e]
+
+
+def test_hello_is_sent_on_connect_with_exact_bytes():
+    proto = RecordingProtocol()
+    transport = connect(proto)
+    # magic H, version 0, length 21, i32 2, i16 1, i16 2, i32 9 "Test Peer"
+    expected = bytes.fromhex("48 0000 00000015 00000002 0001 0002 00000009") + b"Test Peer"
+    assert transport.value() == expected
+    assert Hello.decode(transport.value()[7:]) == Hello((1, 2), "Test Peer")
+
+
+def test_highest_common_version_is_negotiated():
+    proto, _ = ready(versions=(0, 1, 7))
+    assert proto.version == 1
+    assert proto.readies == 1
+    assert negotiate((3, 4), (0, 1, 2, 3, 4)) == 4
+
+
+def test_no_common_version_closes_with_reason(logged):
+    proto = RecordingProtocol()
+    transport = connect(proto)
+    proto.dataReceived(hello_frame((5, 6)))
+    assert transport.disconnecting
+    assert proto.version is None
+    assert any("no common protocol version" in r for r in reasons(logged))
+    with pytest.raises(HandshakeError):
+        negotiate((1,), (2,))
+
+
+def test_messages_sent_before_handshake_wait_for_it():
+    proto = RecordingProtocol()
+    transport = connect(proto)
+    transport.clear()
+    proto.sendMessage(b"early")
+    assert transport.value() == b""
+    proto.dataReceived(hello_frame((1,)))
+    assert transport.value() == encode_frame(b"T", 1, b"\x01early")
+
+
+def test_frames_split_anywhere_are_reassembled():
+    proto, _ = ready()
+    data = frame(b"abc") + frame(b"") + frame(b"de")
+    for i in range(len(data)):
+        proto.dataReceived(data[i:i + 1])
+    assert proto.received == [b"abc", b"", b"de"]
+
+
+def test_keepalive_frames_are_ignored_and_not_delivered():
+    proto, transport = ready()
+    proto.dataReceived(encode_frame(b"T", 2, b"") + frame(b"x"))
+    assert proto.received == [b"x"]
+    assert not transport.disconnecting
+
+
+def test_keepalive_is_sent_after_idle_interval_and_reset_by_writes():
+    proto = RecordingProtocol()
+    proto.keepalive_interval = 10
+    proto.clock = Clock()
+    proto, transport = ready(proto)
+    proto.clock.advance(9)
+    proto.sendMessage(b"m")  # a write resets the idle timer
+    transport.clear()
+    proto.clock.advance(9)
+    assert transport.value() == b""
+    proto.clock.advance(1)
+    assert transport.value() == struct.pack(">chi", b"T", 2, 0)
+    transport.clear()
+    proto.clock.advance(10)
+    assert transport.value() == struct.pack(">chi", b"T", 2, 0)
+    proto.connectionLost(None)
+    assert proto.clock.getDelayedCalls() == []
+
+
+@pytest.mark.parametrize("bad, problem", [
+    (encode_frame(b"X", 2, b"\x01a"), "wrong magic"),
+    (encode_frame(b"T", 1, b"\x01a"), "frame version 1 differs"),
+    (struct.pack(">chi", b"T", 2, 17 * 1024 * 1024), "frame length"),
+    (struct.pack(">chi", b"T", 2, -5), "frame length"),
+    (encode_frame(b"T", 2, b"\x09a"), "unknown message type"),
+    (encode_frame(b"T", 2, b"\x01!"), "short body"),
+    (hello_frame(), "second Hello"),
+    (frame(b"boom"), "handler error"),
+])
+def test_bad_input_closes_only_that_connection_with_a_named_reason(bad, problem, logged):
+    victim, victim_transport = ready()
+    bystander, bystander_transport = ready()
+    victim.dataReceived(frame(b"ok") + bad + frame(b"never"))
+    assert victim_transport.disconnecting
+    assert victim.received[0] == b"ok" and b"never" not in victim.received
+    assert any(problem in r for r in reasons(logged)), reasons(logged)
+    bystander.dataReceived(frame(b"still fine"))
+    assert bystander.received == [b"still fine"]
+    assert not bystander_transport.disconnecting
+    victim.dataReceived(frame(b"after close"))  # ignored, never raises
+    assert b"after close" not in victim.received
+
+
+def test_first_frame_must_be_hello():
+    proto = RecordingProtocol()
+    transport = connect(proto)
+    proto.dataReceived(frame(b"x"))
+    assert transport.disconnecting
+    assert proto.received == []
+
+
+def test_truncated_frame_waits_without_closing():
+    proto, transport = ready()
+    data = frame(b"0123456789")
+    proto.dataReceived(data[:-3])
+    assert proto.received == [] and not transport.disconnecting
+    proto.dataReceived(data[-3:])
+    assert proto.received == [b"0123456789"]
+
+
+def test_configurable_max_frame_size():
+    proto = RecordingProtocol()
+    proto.max_frame_size = 32
+    proto, transport = ready(proto)
+    proto.dataReceived(frame(b"x" * 31))  # payload 32 bytes: allowed
+    assert proto.received == [b"x" * 31]
+    proto.dataReceived(frame(b"x" * 32))  # payload 33 bytes
+    assert transport.disconnecting
+
+
+def test_back_pressure_pauses_reading_and_resumes_when_consumer_catches_up():
+    pending = []
+
+    def slow(message):
+        d = defer.Deferred()
+        pending.append(d)
+        return d
+
+    proto = RecordingProtocol(results=slow)
+    proto.inbound_high_watermark = 4
+    proto.inbound_low_watermark = 2
+    proto, transport = ready(proto)
+    proto.dataReceived(b"".join(frame(b"%d" % i) for i in range(10)))
+    # Four outstanding: reading paused, the rest stays buffered and undecoded.
+    assert proto.received == [b"0", b"1", b"2", b"3"]
+    assert transport.producerState == "paused" and proto.reading_paused
+    pending[0].callback(None)
+    assert transport.producerState == "paused"  # 3 outstanding > low watermark 2
+    pending[1].callback(None)
+    # Down to 2: resumed, buffered frames decoded until the high watermark again.
+    assert proto.received == [b"%d" % i for i in range(6)]
+    assert transport.producerState == "paused"
+    while not all(d.called for d in pending):
+        next(d for d in pending if not d.called).callback(None)
+    assert proto.received == [b"%d" % i for i in range(10)]
+    assert transport.producerState == "producing" and not proto.reading_paused
+    assert proto.inbound_pending == 0
+
+
+def test_failed_handler_deferred_closes_connection(logged):
+    proto = RecordingProtocol(results=lambda m: defer.fail(ValueError("bad state")))
+    proto, transport = ready(proto)
+    proto.dataReceived(frame(b"x"))
+    assert transport.disconnecting
+    assert any("bad state" in r for r in reasons(logged))
+
+
+def test_protocol_is_push_producer_for_outbound_flow_control():
+    proto, transport = ready()
+    assert transport.producer is proto and transport.streaming
+    transport.producer.pauseProducing()
+    assert not proto.writable
+    transport.producer.resumeProducing()
+    assert proto.writable
+    assert proto.paused_events == ["paused", "resumed"]
+
+
+def test_two_real_peers_negotiate_and_exchange_messages():
+    server = RecordingProtocol(EchoCodec((1, 2, 3)))
+    client = RecordingProtocol(EchoCodec((0, 2)))
+    client.sendMessage(b"hello server")
+    pump = iosim.connect(server, iosim.makeFakeServer(server), client, iosim.makeFakeClient(client))
+    server.sendMessage(b"hello client")
+    pump.flush()
+    assert server.version == client.version == 2
+    assert server.received == [b"hello server"]
+    assert client.received == [b"hello client"]

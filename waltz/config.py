@@ -1,0 +1,213 @@
+"""YAML configuration with the original's dotted keys, validated against a key table.
+
+A config file may use dotted keys (``storage.port: 55280``) or nest them
+(``storage: {port: 55280}``); both flatten to the same dotted names. Each
+daemon or tool declares the keys it accepts as a tuple of :class:`Key`; the
+loader fills in defaults, converts and checks every value, and raises
+:class:`ConfigError` naming the offending key for anything wrong (missing
+required key, bad type or range, unknown key) before anything is started.
+"""
+
+import os
+
+import attr
+import yaml
+
+
+class ConfigError(Exception):
+    """A configuration is invalid; the message names the key."""
+
+
+REQUIRED = object()
+
+
+def _parse_int(value):
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError("expected an integer")
+    return int(value)
+
+
+def _parse_bool(value):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
+        return value.lower() in ("true", "yes")
+    raise ValueError("expected true or false")
+
+
+def _parse_str(value):
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ValueError("expected a string")
+    return str(value)
+
+
+def port(value):
+    """A TCP port number 1-65535."""
+    number = _parse_int(value)
+    if not 1 <= number <= 65535:
+        raise ValueError("expected a port number 1-65535, got %d" % number)
+    return number
+
+
+def positive_int(value):
+    number = _parse_int(value)
+    if number <= 0:
+        raise ValueError("expected a positive integer, got %d" % number)
+    return number
+
+
+def non_negative_int(value):
+    number = _parse_int(value)
+    if number < 0:
+        raise ValueError("expected a non-negative integer, got %d" % number)
+    return number
+
+
+def connect_string(value):
+    """A ZooKeeper connect string: ``host:port[,host:port...]`` with an optional chroot."""
+    text = _parse_str(value).strip()
+    hosts = text.split("/", 1)[0]
+    if not hosts:
+        raise ValueError("expected host:port[,host:port...]")
+    for item in hosts.split(","):
+        host, sep, number = item.rpartition(":")
+        if not sep or not host:
+            raise ValueError("expected host:port, got %r" % item)
+        port(number)
+    return text
+
+
+def znode_path(value):
+    """An absolute ZooKeeper path such as ``/waltz_cluster``."""
+    text = _parse_str(value)
+    if not text.startswith("/") or text.endswith("/") or "//" in text:
+        raise ValueError("expected an absolute path like /waltz_cluster, got %r" % text)
+    return text
+
+
+def directory(value):
+    text = _parse_str(value)
+    if not text:
+        raise ValueError("expected a directory path")
+    return os.path.abspath(os.path.expanduser(text))
+
+
+TYPES = {int: _parse_int, bool: _parse_bool, str: _parse_str}
+
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class Key:
+    """One accepted configuration key: its dotted name, parser and default."""
+
+    name: str
+    parse: object = _parse_str
+    default: object = REQUIRED
+    doc: str = ""
+
+    def convert(self, raw):
+        parse = TYPES.get(self.parse, self.parse)
+        try:
+            return parse(raw)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError("config key '%s': %s (got %r)" % (self.name, exc, raw)) from None
+
+
+@attr.s(frozen=True, slots=True)
+class Config:
+    """A validated configuration: dotted key to converted value."""
+
+    values = attr.ib(converter=dict)
+
+    def __getitem__(self, name):
+        return self.values[name]
+
+    def get(self, name, default=None):
+        return self.values.get(name, default)
+
+    def with_prefix(self, prefix):
+        """The keys starting with ``prefix`` (e.g. ``"storage.ssl."``), prefix removed."""
+        return {k[len(prefix):]: v for k, v in self.values.items() if k.startswith(prefix)}
+
+
+def flatten(mapping, prefix=""):
+    """Flatten nested mappings into dotted keys; a key may not be given twice."""
+    flat = {}
+    for key, value in mapping.items():
+        name = prefix + str(key)
+        if isinstance(value, dict):
+            nested = flatten(value, name + ".")
+            duplicate = flat.keys() & nested.keys()
+            if duplicate:
+                raise ConfigError("config key '%s' is given twice" % sorted(duplicate)[0])
+            flat.update(nested)
+        elif name in flat:
+            raise ConfigError("config key '%s' is given twice" % name)
+        else:
+            flat[name] = value
+    return flat
+
+
+def read_yaml(path):
+    """Read a YAML mapping from ``path``; errors name the file."""
+    try:
+        with open(path, encoding="utf-8") as stream:
+            data = yaml.safe_load(stream)
+    except OSError as exc:
+        raise ConfigError("cannot read config file %s: %s" % (path, exc.strerror)) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("config file %s is not valid YAML: %s" % (path, exc)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config file %s must hold a mapping of keys to values" % path)
+    return data
+
+
+def build_config(raw, keys, open_prefixes=()):
+    """Validate a raw mapping against ``keys``.
+
+    ``open_prefixes`` lists prefixes (such as ``"storage.ssl."``) under which
+    any key is passed through unchecked for a later component to interpret.
+    """
+    flat = flatten(raw)
+    table = {key.name: key for key in keys}
+    for name in sorted(flat):
+        if name not in table and not name.startswith(tuple(open_prefixes)):
+            raise ConfigError("config key '%s' is not a known key" % name)
+    values = {}
+    for key in keys:
+        if key.name in flat and flat[key.name] is not None:
+            values[key.name] = key.convert(flat[key.name])
+        elif key.default is REQUIRED:
+            raise ConfigError("config key '%s' is required%s" % (
+                key.name, ": " + key.doc if key.doc else ""))
+        else:
+            values[key.name] = key.default
+    values.update({k: v for k, v in flat.items() if k not in table})
+    return Config(values)
+
+
+def load_config(path, keys, open_prefixes=()):
+    """Read and validate the YAML file at ``path``."""
+    return build_config(read_yaml(path), keys, open_prefixes)
+
+
+def check_distinct_ports(config, names):
+    """Raise :class:`ConfigError` when two of the named port keys share a value."""
+    seen = {}
+    for name in names:
+        value = config.get(name)
+        if value is None:
+            continue
+        if value in seen:
+            raise ConfigError("config key '%s': port %d is already used by '%s'" % (name, value, seen[value]))
+        seen[value] = name
+
+
+# Keys every component that talks to ZooKeeper accepts.
+ZOOKEEPER_KEYS = (
+    Key("zookeeper.connectString", connect_string, doc="ZooKeeper host:port list, e.g. 127.0.0.1:2181"),
+    Key("zookeeper.sessionTimeout", positive_int, 30000, "ZooKeeper session timeout in ms"),
+    Key("zookeeper.connectTimeout", positive_int, 10000, "ZooKeeper connect timeout in ms"),
+    Key("cluster.root", znode_path, doc="the cluster's root znode, e.g. /waltz_cluster"),
+)
