@@ -1,0 +1,118 @@
+"""Shared helpers of the benchmark scripts: clusters on loopback, latency stats, reporting.
+
+Every benchmark is self-contained: it starts the ZooKeeper and daemons it
+needs on 127.0.0.1 in a temporary directory, stops them by pid at the end
+(also on failure), bounds its time, prints its figures with the limit they
+are compared with, and with ``--json`` prints one JSON object as its last line.
+"""
+
+import argparse
+import contextlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+
+from twisted.internet import defer, endpoints
+
+from waltz.local.daemons import local_storage
+from waltz.local.zookeeper import LocalZooKeeper
+from waltz.protocols import admin_messages as am
+from waltz.protocols import storage_messages as sm
+from waltz.protocols.rpc import AdminClientProtocol, RequestClientFactory, StorageClientProtocol
+from waltz.zk.bridge import ZooKeeperClient
+from waltz.zk.metadata import ClusterMetadata
+
+ROOT = "/waltz_bench"
+
+
+def parser(description):
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per run")
+    return p
+
+
+def percentile(values, q):
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def report(figures, as_json, lines):
+    for line in lines:
+        print(line)
+    if as_json:
+        print(json.dumps(figures, sort_keys=True))
+
+
+@contextlib.contextmanager
+def work_dir(prefix):
+    path = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def processes():
+    """Collects started daemons and stops every one of them (by pid) on exit."""
+    started = []
+    try:
+        yield started
+    finally:
+        for proc in reversed(started):
+            try:
+                proc.stop()
+            except Exception as exc:  # keep stopping the others
+                print("warning: could not stop %r: %s" % (proc, exc), file=sys.stderr)
+
+
+def start_zookeeper(run_dir, started):
+    zk = LocalZooKeeper(run_dir)
+    started.append(zk)
+    zk.start()
+    return zk
+
+
+@defer.inlineCallbacks
+def create_cluster(reactor, connect_string, num_partitions, root=ROOT):
+    """Create a cluster in ZooKeeper; fires with its StoreParams (key, partition count)."""
+    zk = ZooKeeperClient(connect_string, reactor=reactor)
+    yield zk.connect()
+    try:
+        metadata = ClusterMetadata(zk, root, reactor)
+        yield metadata.create_cluster("bench", num_partitions)
+        params = yield metadata.store_params()
+    finally:
+        yield zk.close()
+    return params
+
+
+def start_storage(run_dir, connect_string, started, root=ROOT, **overrides):
+    storage = local_storage(run_dir, connect_string, root, **overrides)
+    started.append(storage)
+    storage.start()
+    return storage
+
+
+@defer.inlineCallbacks
+def connect_storage(reactor, storage, params, admin=False):
+    """A connected, opened client of a storage daemon's storage (or admin) port."""
+    if admin:
+        cls, open_request, port = AdminClientProtocol, am.OpenRequest(-1, params.key, params.num_partitions), \
+            storage.config["storage.admin.port"]
+    else:
+        cls, open_request, port = StorageClientProtocol, sm.OpenRequest.create(params.key, params.num_partitions), \
+            storage.config["storage.port"]
+    endpoint = endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port)
+    proto = yield endpoint.connect(RequestClientFactory(cls, open_request))
+    yield proto.opened
+    return proto
+
+
+def now():
+    return time.perf_counter()

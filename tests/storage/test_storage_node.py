@@ -1,0 +1,214 @@
+"""Every storage and admin request against a storage node over real loopback sockets.
+
+The node, its handlers and the client protocols are the real ones; the node
+runs in the test's reactor so failures are easy to inspect. The same requests
+against the ``twistd waltz-storage`` daemon are in tests/integration.
+"""
+
+import json
+import os
+import uuid
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, endpoints, reactor
+
+from waltz.protocols import admin_messages as am
+from waltz.protocols import storage_messages as sm
+from waltz.protocols.rpc import AdminClientProtocol, RemoteError, RequestClientFactory, StorageClientProtocol
+from waltz.protocols.values import Record, ReqId
+from waltz.storage.handlers import AdminServerProtocol, NodeFactory, StorageServerProtocol
+from waltz.storage.node import StorageNode
+
+KEY = uuid.UUID("8c9f4f3e-0d3b-4f55-9b86-0d7c2c1b5e11")
+PARTITIONS = 3
+
+
+def records(first, count, partition=0, size=100):
+    return tuple(Record.create(t, ReqId(1, 1, partition, t), t % 7, bytes([t % 251]) * size)
+                 for t in range(first, first + count))
+
+
+class Harness:
+    def __init__(self, directory):
+        self.node = StorageNode(directory, reactor, segment_size_threshold=4096)
+        self.ports = []
+        self.clients = []
+
+    @defer.inlineCallbacks
+    def start(self):
+        yield self.node.open(KEY, PARTITIONS)
+        for cls in (StorageServerProtocol, AdminServerProtocol):
+            endpoint = endpoints.TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
+            self.ports.append((yield endpoint.listen(NodeFactory(cls, self.node))))
+
+    @defer.inlineCallbacks
+    def connect(self, admin=False, key=KEY, partitions=PARTITIONS):
+        cls, open_cls, port = ((AdminClientProtocol, am.OpenRequest, self.ports[1]) if admin
+                               else (StorageClientProtocol, sm.OpenRequest, self.ports[0]))
+        open_request = (am.OpenRequest(-1, key, partitions) if admin
+                        else sm.OpenRequest.create(key, partitions))
+        endpoint = endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+        proto = yield endpoint.connect(RequestClientFactory(cls, open_request))
+        self.clients.append(proto)
+        return proto
+
+    @defer.inlineCallbacks
+    def stop(self):
+        for proto in self.clients:
+            proto.transport.loseConnection()
+        for port in self.ports:
+            yield port.stopListening()
+        yield self.node.close()
+
+
+@pytest.fixture
+def harness(tmp_path):
+    h = Harness(str(tmp_path / "storage"))
+    pytest_twisted.blockon(h.start())
+    yield h
+    pytest_twisted.blockon(h.stop())
+
+
+def failure_text(exc_info):
+    return exc_info.value.info.message
+
+
+async def assign(harness, *pids):
+    admin = await harness.connect(admin=True)
+    await admin.request(am.PartitionAssignmentRequest(0, pids, True, False))
+    return admin
+
+
+@pytest_twisted.ensureDeferred
+async def test_open_with_wrong_key_or_partition_count_names_both_values(harness):
+    other = uuid.UUID(int=1)
+    proto = await harness.connect(key=other)
+    with pytest.raises(RemoteError) as exc:
+        await proto.opened
+    assert str(KEY) in failure_text(exc) and str(other) in failure_text(exc)
+    proto = await harness.connect(partitions=5)
+    with pytest.raises(RemoteError, match="3 partitions.*names 5"):
+        await proto.opened
+
+
+@pytest_twisted.ensureDeferred
+async def test_append_read_truncate_and_session_info_round_trip(harness):
+    await assign(harness, 0)
+    s = await harness.connect()
+    info = await s.request(sm.LastSessionInfoRequest(1, 0, 0, False))
+    assert (info.last_session_id, info.low_water_mark, info.local_low_water_mark) == (-1, -1, -1)
+    batch = records(0, 20)
+    assert isinstance(await s.request(sm.AppendRequest(1, 0, 0, batch, False)), sm.SuccessResponse)
+    assert isinstance(await s.request(sm.AppendRequest(1, 0, 0, records(20, 30), False)), sm.SuccessResponse)
+    assert (await s.request(sm.MaxTransactionIdRequest(1, 0, 0, False))).transaction_id == 49
+    assert (await s.request(sm.RecordRequest(1, 0, 0, 7))).record == batch[7]
+    assert (await s.request(sm.RecordHeaderRequest(1, 0, 0, 7))).record_header == batch[7].record_header
+    assert (await s.request(sm.RecordRequest(1, 0, 0, 50))).record is None
+    listed = await s.request(sm.RecordListRequest(1, 0, 0, 15, 10))
+    assert listed.records == records(0, 50)[15:25]
+    headers = await s.request(sm.RecordHeaderListRequest(1, 0, 0, 45, 100))
+    assert [h.transaction_id for h in headers.record_headers] == [45, 46, 47, 48, 49]
+    truncated = await s.request(sm.TruncateRequest(1, 0, 0, 29, False))
+    assert isinstance(truncated, sm.MaxTransactionIdResponse) and truncated.transaction_id == 29
+    await s.request(sm.SetLowWaterMarkRequest(1, 0, 0, 29, False))
+    info = await s.request(sm.LastSessionInfoRequest(2, 0, 0, False))
+    assert (info.last_session_id, info.low_water_mark, info.local_low_water_mark) == (1, 29, 29)
+
+
+@pytest_twisted.ensureDeferred
+async def test_bad_appends_get_failures_and_change_nothing(harness):
+    await assign(harness, 0)
+    s = await harness.connect()
+    await s.request(sm.AppendRequest(1, 0, 0, records(0, 5), False))
+    with pytest.raises(RemoteError, match="(?i)sequence|expected"):
+        await s.request(sm.AppendRequest(1, 0, 0, records(6, 2), False))  # gap
+    bad = records(5, 2)
+    corrupt = (bad[0], Record(6, bad[1].req_id, 0, b"x" * 100, bad[1].checksum))
+    with pytest.raises(RemoteError, match="(?i)checksum"):
+        await s.request(sm.AppendRequest(1, 0, 0, corrupt, False))
+    with pytest.raises(RemoteError, match="cannot set low-water mark 3"):
+        await s.request(sm.SetLowWaterMarkRequest(1, 0, 0, 3, False))
+    assert (await s.request(sm.MaxTransactionIdRequest(1, 0, 0, False))).transaction_id == 4
+    listed = await s.request(sm.RecordListRequest(1, 0, 0, 0, 10))
+    assert listed.records == records(0, 5)
+    assert s.connected
+
+
+@pytest_twisted.ensureDeferred
+async def test_missing_and_unassigned_partitions_are_refused(harness):
+    await assign(harness, 0)
+    s = await harness.connect()
+    with pytest.raises(RemoteError, match="partition 9 does not exist"):
+        await s.request(sm.MaxTransactionIdRequest(1, 0, 9, False))
+    with pytest.raises(RemoteError, match="partition 1 is not assigned"):
+        await s.request(sm.MaxTransactionIdRequest(1, 0, 1, False))
+    assert (await s.request(sm.MaxTransactionIdRequest(1, 0, 0, False))).transaction_id == -1
+
+
+@pytest_twisted.ensureDeferred
+async def test_session_fencing(harness):
+    await assign(harness, 0)
+    s = await harness.connect()
+    await s.request(sm.AppendRequest(5, 0, 0, records(0, 1), False))
+    with pytest.raises(RemoteError, match="session 4 is fenced"):
+        await s.request(sm.AppendRequest(4, 0, 0, records(1, 1), False))
+    await s.request(sm.AppendRequest(6, 0, 0, records(1, 1), False))
+    with pytest.raises(RemoteError, match="session 5 is fenced"):
+        await s.request(sm.RecordRequest(5, 0, 0, 0))
+
+
+@pytest_twisted.ensureDeferred
+async def test_admin_toggles_availability_reads_and_writes(harness):
+    admin = await assign(harness, 0, 1)
+    s = await harness.connect()
+    await s.request(sm.AppendRequest(1, 0, 0, records(0, 3), False))
+    await admin.request(am.PartitionWriteRequest(0, (0,), False))
+    with pytest.raises(RemoteError, match="not writable"):
+        await s.request(sm.AppendRequest(1, 0, 0, records(3, 1), False))
+    assert (await s.request(sm.RecordRequest(1, 0, 0, 2))).record is not None
+    await admin.request(am.PartitionReadRequest(0, (0,), False))
+    with pytest.raises(RemoteError, match="not readable"):
+        await s.request(sm.RecordRequest(1, 0, 0, 2))
+    await admin.request(am.PartitionReadRequest(0, (0,), True))
+    await admin.request(am.PartitionWriteRequest(0, (0,), True))
+    await s.request(sm.AppendRequest(1, 0, 0, records(3, 1), False))
+    await admin.request(am.PartitionAvailableRequest(0, (0,), False))
+    with pytest.raises(RemoteError, match="not available"):
+        await s.request(sm.MaxTransactionIdRequest(1, 0, 0, False))
+    offline = await s.request(sm.MaxTransactionIdRequest(1, 0, 0, True))
+    assert offline.transaction_id == 3
+    status = await admin.request(am.AssignedPartitionStatusRequest(0))
+    assert status.partition_status == ((0, False), (1, True))
+
+
+@pytest_twisted.ensureDeferred
+async def test_admin_record_list_session_info_metrics_and_unassign(harness, tmp_path):
+    admin = await assign(harness, 2)
+    s = await harness.connect()
+    await s.request(sm.AppendRequest(3, 0, 2, records(0, 4, partition=2), False))
+    await s.request(sm.SetLowWaterMarkRequest(3, 0, 2, 3, False))
+    listed = await admin.request(am.RecordListRequest(0, 2, 1, 2))
+    assert listed.partition_id == 2 and listed.records == records(0, 4, partition=2)[1:3]
+    info = await admin.request(am.LastSessionInfoRequest(0, 2))
+    assert (info.last_session_id, info.low_water_mark, info.local_low_water_mark) == (3, 3, 3)
+    metrics = json.loads((await admin.request(am.MetricsRequest(0))).metrics_json)
+    assert metrics["waltz_storage_appended_records_total"]['{partition="2"}'] == 4
+    assert os.path.isdir(tmp_path / "storage" / "2")
+    await admin.request(am.PartitionAssignmentRequest(0, (2,), False, True))
+    assert not os.path.exists(tmp_path / "storage" / "2")
+    with pytest.raises(RemoteError, match="not assigned"):
+        await s.request(sm.MaxTransactionIdRequest(3, 0, 2, False))
+    assert (await admin.request(am.AssignedPartitionStatusRequest(0))).partition_status == ()
+
+
+@pytest_twisted.ensureDeferred
+async def test_request_before_open_closes_only_that_connection(harness):
+    await assign(harness, 0)
+    good = await harness.connect()
+    port = harness.ports[0].getHost().port
+    bad = await endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port).connect(
+        RequestClientFactory(StorageClientProtocol, sm.MaxTransactionIdRequest(1, -1, 0, False)))
+    with pytest.raises(Exception):
+        await bad.opened
+    assert (await good.request(sm.MaxTransactionIdRequest(1, 0, 0, False))).transaction_id == -1

@@ -1,0 +1,115 @@
+"""The per-partition disk worker: ordering, group commit, durability before acknowledgement."""
+
+import threading
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, reactor, threads
+
+from waltz.storage.worker import PartitionWorker, WorkerFailed, WorkerStopped
+
+
+class Disk:
+    """Records the order of writes, reads and syncs; sync can be held open by the test."""
+
+    def __init__(self):
+        self.events = []
+        self.sync_entered = threading.Event()
+        self.release = threading.Event()
+        self.release.set()
+        self.fail_sync = False
+
+    def write(self, value):
+        if value == "bad":
+            raise ValueError("gap in transaction ids")
+        self.events.append(("write", value))
+        return value
+
+    def read(self, value):
+        self.events.append(("read", value))
+        return value
+
+    def sync(self):
+        self.sync_entered.set()
+        assert self.release.wait(10)
+        if self.fail_sync:
+            raise OSError(5, "Input/output error")
+        self.events.append(("sync",))
+
+
+@pytest.fixture
+def disk():
+    return Disk()
+
+
+@pytest.fixture
+def commits():
+    return []
+
+
+@pytest.fixture
+def worker(disk, commits):
+    w = PartitionWorker("p0", reactor, disk.sync, lambda n, s: commits.append(n))
+    w.start()
+    yield w
+    disk.release.set()
+    w.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_jobs_run_in_arrival_order_and_reads_wait_for_prior_writes_to_sync(worker, disk):
+    results = await defer.gatherResults([
+        worker.submit_write(disk.write, 1), worker.submit_write(disk.write, 2),
+        worker.submit(disk.read, "r"), worker.submit_write(disk.write, 3)])
+    assert results == [1, 2, "r", 3]
+    # The read forced the first two writes to be synced before it ran.
+    assert disk.events.index(("read", "r")) > disk.events.index(("sync",)) > disk.events.index(("write", 2))
+    assert disk.events[-1] == ("sync",)
+
+
+@pytest_twisted.ensureDeferred
+async def test_appends_arriving_during_a_sync_share_the_next_one(worker, disk, commits):
+    disk.release.clear()
+    first = worker.submit_write(disk.write, "a")
+    assert await threads.deferToThread(disk.sync_entered.wait, 10)
+    rest = [worker.submit_write(disk.write, i) for i in range(4)]
+    # The first sync is still running: nothing may be acknowledged yet.
+    assert not first.called and not any(d.called for d in rest)
+    disk.release.set()
+    assert await first == "a"
+    assert await defer.gatherResults(rest) == [0, 1, 2, 3]
+    assert commits == [1, 4]
+    assert disk.events.count(("sync",)) == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_rejected_write_fails_alone(worker, disk):
+    good = worker.submit_write(disk.write, "ok")
+    bad = worker.submit_write(disk.write, "bad")
+    after = worker.submit_write(disk.write, "after")
+    assert await good == "ok"
+    with pytest.raises(ValueError, match="gap"):
+        await bad
+    assert await after == "after"
+
+
+@pytest_twisted.ensureDeferred
+async def test_failed_sync_fails_its_writes_and_every_later_job(worker, disk):
+    disk.fail_sync = True
+    with pytest.raises(OSError):
+        await worker.submit_write(disk.write, 1)
+    disk.fail_sync = False
+    with pytest.raises(WorkerFailed):
+        await worker.submit(disk.read, "r")
+    with pytest.raises(WorkerFailed):
+        await worker.submit_write(disk.write, 2)
+    assert ("read", "r") not in disk.events
+
+
+@pytest_twisted.ensureDeferred
+async def test_stop_runs_queued_jobs_then_refuses_new_ones(worker, disk):
+    pending = [worker.submit_write(disk.write, i) for i in range(3)]
+    await worker.stop()
+    assert await defer.gatherResults(pending) == [0, 1, 2]
+    with pytest.raises(WorkerStopped):
+        await worker.submit(disk.read, "late")

@@ -1,0 +1,59 @@
+"""Pieces shared by the twistd daemons: asynchronous start-up, fatal failures, listening.
+
+twistd forks to daemonize after ``makeService`` returns, so a daemon service
+starts its threads and connections in ``startService``. Its start-up is a
+Deferred chain; if it fails (ZooKeeper has no cluster, the storage directory
+is locked, a cluster key mismatch...) the reason is logged and the process
+exits with status 1, because a half-started daemon must not look healthy.
+"""
+
+import os
+
+from twisted.application import service
+from twisted.internet import defer
+from twisted.logger import Logger
+
+log = Logger()
+
+
+def exit_after_failure(reactor, failure, what):
+    """Log ``failure`` as the reason ``what`` failed and end the process with status 1."""
+    log.critical("{what} failed: {reason}", what=what, reason=failure.getErrorMessage())
+    log.failure("{what} failed", failure, what=what)
+    # os._exit after the reactor has shut down cleanly: twistd itself has no exit status.
+    reactor.addSystemEventTrigger("after", "shutdown", os._exit, 1)
+    if reactor.running:
+        reactor.stop()
+    else:
+        reactor.callWhenRunning(reactor.stop)
+
+
+class AsyncStartService(service.MultiService):
+    """A MultiService whose :meth:`start` returns a Deferred; failure ends the process.
+
+    Subclasses implement :meth:`start` (open files, connect ZooKeeper, listen)
+    and :meth:`stop` (the reverse); both may return Deferreds.
+    """
+
+    name = "waltz-daemon"
+
+    def __init__(self, reactor):
+        super().__init__()
+        self.reactor = reactor
+        self.started = None
+
+    def startService(self):
+        super().startService()
+        self.started = defer.maybeDeferred(self.start)
+        self.started.addErrback(lambda f: exit_after_failure(self.reactor, f, "%s start-up" % self.name))
+
+    def stopService(self):
+        d = defer.maybeDeferred(super().stopService)
+        d.addBoth(lambda _: self.stop())
+        return d
+
+    def start(self):
+        raise NotImplementedError
+
+    def stop(self):
+        return None

@@ -1,0 +1,146 @@
+"""Waltz daemons as local processes: start with twistd, wait until they serve, stop or kill by pid.
+
+Used by the integration tests, the benchmarks and the local development
+cluster. Each daemon runs ``twistd --nodaemon waltz-<kind> --config FILE`` in
+its own process group, writes its log to a file in its run directory, and is
+ready when its HTTP ``/ping`` answers. Stopping and killing go by the pid this
+object started, never by name.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import yaml
+
+
+class DaemonError(Exception):
+    """A daemon did not start, or died; the message carries the tail of its log."""
+
+
+def free_port(host="127.0.0.1"):
+    """A TCP port that is free on ``host`` right now."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path, lines=30):
+    try:
+        with open(path, "rb") as stream:
+            return b"".join(stream.readlines()[-lines:]).decode("utf-8", "replace")
+    except OSError:
+        return "(no log)"
+
+
+class LocalDaemon:
+    """One twistd daemon (``kind`` is ``storage`` or ``server``) with its config, log and pid."""
+
+    def __init__(self, kind, run_dir, config, http_port_key):
+        self.kind = kind
+        self.run_dir = os.path.abspath(run_dir)
+        self.config = dict(config)
+        self.http_port = self.config[http_port_key]
+        self.config_path = os.path.join(self.run_dir, "%s.yaml" % kind)
+        self.log_path = os.path.join(self.run_dir, "%s.log" % kind)
+        self.process = None
+
+    @property
+    def pid(self):
+        return self.process.pid if self.process is not None else None
+
+    def write_config(self):
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(self.config_path, "w", encoding="utf-8") as stream:
+            yaml.safe_dump(self.config, stream, default_flow_style=False, sort_keys=True)
+
+    def command(self):
+        twistd = os.path.join(os.path.dirname(sys.executable), "twistd")
+        return [twistd, "--nodaemon", "--pidfile=", "--logfile=%s" % self.log_path,
+                "waltz-%s" % self.kind, "--config", self.config_path]
+
+    def start(self, timeout=30.0):
+        """Start the daemon and wait until ``/ping`` answers; :class:`DaemonError` if it dies first."""
+        if self.is_running():
+            return self
+        self.write_config()
+        with open(os.path.join(self.run_dir, "%s.stdout" % self.kind), "ab") as out:
+            self.process = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.run_dir)
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise DaemonError("%s exited with status %s:\n%s" % (self.kind, self.process.returncode,
+                                                                      log_tail(self.log_path)))
+            if self.ping():
+                return
+            time.sleep(0.05)
+        self.kill()
+        raise DaemonError("%s did not answer /ping within %.0f s:\n%s" % (self.kind, timeout,
+                                                                           log_tail(self.log_path)))
+
+    def ping(self):
+        try:
+            with urllib.request.urlopen("http://127.0.0.1:%d/ping" % self.http_port, timeout=1) as response:
+                return response.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def http_get(self, path):
+        """(status, body) of an HTTP GET on the daemon's HTTP port."""
+        try:
+            with urllib.request.urlopen("http://127.0.0.1:%d%s" % (self.http_port, path), timeout=5) as response:
+                return response.status, response.read().decode("utf-8")
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode("utf-8")
+
+    def is_running(self):
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout=15.0):
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit status."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.process.wait()
+
+    def kill(self):
+        """``kill -9`` the daemon (fault tests) and reap it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        return self.process.wait() if self.process is not None else None
+
+
+def storage_config(run_dir, zookeeper, root, host="127.0.0.1", **overrides):
+    """A storage config on free loopback ports with its directory under ``run_dir``."""
+    config = {
+        "zookeeper.connectString": zookeeper,
+        "cluster.root": root,
+        "storage.bindAddress": host,
+        "storage.port": free_port(host),
+        "storage.admin.port": free_port(host),
+        "storage.http.port": free_port(host),
+        "storage.directory": os.path.join(os.path.abspath(run_dir), "data"),
+    }
+    config.update(overrides)
+    return config
+
+
+def local_storage(run_dir, zookeeper, root, **overrides):
+    """A :class:`LocalDaemon` for a storage node (not started)."""
+    return LocalDaemon("storage", run_dir, storage_config(run_dir, zookeeper, root, **overrides),
+                       "storage.http.port")

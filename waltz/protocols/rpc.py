@@ -1,0 +1,148 @@
+"""Request/response client connections for the storage (``S``) and admin (``A``) families.
+
+Both families match a response to its request by ``seq_num``. A
+:class:`RequestClientProtocol` numbers each request it sends (the caller's
+``seq_num`` is replaced), keeps a Deferred per outstanding request, and fires it
+with the response message, or fails it with :class:`RemoteError` when the
+storage answered with a failure response, or with :class:`ConnectionClosed`
+when the connection went away first.
+
+Every connection starts with an open request (cluster key and partition
+count); :attr:`opened` fires with the protocol once the storage accepted it,
+and requests made before then wait for it.
+"""
+
+import itertools
+
+import attr
+from twisted.internet import defer
+from twisted.internet.protocol import ClientFactory
+
+from waltz.protocols import admin_messages, storage_messages
+from waltz.protocols.base import WaltzProtocol
+from waltz.protocols.errors import ProtocolError
+
+
+class RemoteError(Exception):
+    """The peer answered with a failure response; ``info`` is its ExceptionInfo."""
+
+    def __init__(self, info):
+        super().__init__(info.message)
+        self.info = info
+
+
+class ConnectionClosed(Exception):
+    """The connection closed before the response arrived."""
+
+
+class RequestClientProtocol(WaltzProtocol):
+    """Sends numbered requests and matches responses to them.
+
+    Set :attr:`codec`, :attr:`failure_type` (the family's failure response class)
+    and :attr:`open_request` (sent first, with ``seq_num`` -1).
+    """
+
+    hello_name = "Waltz Server"
+    failure_type = None
+    open_request = None
+
+    def __init__(self):
+        super().__init__()
+        self._numbers = itertools.count(0)
+        self._pending = {}
+        self._waiting_for_open = []
+        self.is_open = False
+        self.opened = defer.Deferred()
+
+    def connectionReady(self):
+        self._pending[-1] = d = defer.Deferred()
+        d.addCallbacks(self._open_accepted, self._open_refused)
+        super().sendMessage(attr.evolve(self.open_request, seq_num=-1))
+
+    def _open_accepted(self, response):
+        self.is_open = True
+        waiting, self._waiting_for_open = self._waiting_for_open, []
+        for message, d in waiting:
+            self._send_request(message).chainDeferred(d)
+        self.opened.callback(self)
+
+    def _open_refused(self, failure):
+        self.opened.errback(failure)
+        self.close("open refused: %s" % failure.getErrorMessage())
+
+    def request(self, message) -> defer.Deferred:
+        """Send ``message`` with the next sequence number; fires with the response."""
+        if self.closed:
+            return defer.fail(ConnectionClosed("connection to %s is closed" % self.peer))
+        if not self.is_open:
+            d = defer.Deferred()
+            self._waiting_for_open.append((message, d))
+            return d
+        return self._send_request(message)
+
+    def _send_request(self, message):
+        seq_num = next(self._numbers)
+        self._pending[seq_num] = d = defer.Deferred()
+        self.sendMessage(attr.evolve(message, seq_num=seq_num))
+        return d
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._pending)
+
+    def messageReceived(self, message):
+        d = self._pending.pop(message.seq_num, None)
+        if d is None:
+            raise ProtocolError("response with unknown seq_num %d (%s)" % (message.seq_num, type(message).__name__))
+        if isinstance(message, self.failure_type):
+            d.errback(RemoteError(message.exception))
+        else:
+            d.callback(message)
+
+    def connectionClosed(self, reason):
+        error = ConnectionClosed("connection to %s closed: %s" % (
+            self.peer, reason.getErrorMessage() if reason is not None else "closed"))
+        pending, self._pending = self._pending, {}
+        waiting, self._waiting_for_open = self._waiting_for_open, []
+        for d in list(pending.values()) + [d for _, d in waiting]:
+            d.errback(error)
+        if not self.opened.called:
+            self.opened.errback(error)
+        else:
+            # Nobody may be listening any more; swallow so it is not logged as unhandled.
+            self.opened.addErrback(lambda f: None)
+
+
+class RequestClientFactory(ClientFactory):
+    """Builds one :class:`RequestClientProtocol` configured for a family and a cluster."""
+
+    noisy = False
+
+    def __init__(self, protocol_class, open_request, **settings):
+        self.protocol_class = protocol_class
+        self.open_request = open_request
+        self.settings = settings
+
+    def buildProtocol(self, addr):
+        proto = self.protocol_class()
+        proto.factory = self
+        proto.open_request = self.open_request
+        for name, value in self.settings.items():
+            setattr(proto, name, value)
+        return proto
+
+
+
+class StorageClientProtocol(RequestClientProtocol):
+    """A server's connection to a storage node's storage port (family ``S``)."""
+
+    codec = storage_messages.STORAGE_CODEC
+    failure_type = storage_messages.FailureResponse
+
+
+class AdminClientProtocol(RequestClientProtocol):
+    """A tool's connection to a storage node's admin port (family ``A``)."""
+
+    hello_name = "Waltz Admin Client"
+    codec = admin_messages.ADMIN_CODEC
+    failure_type = admin_messages.FailureResponse

@@ -1,0 +1,93 @@
+"""``twistd waltz-storage``: options and the service that runs a storage node.
+
+Start-up order (in ``startService``, after twistd has forked): connect to
+ZooKeeper and read the cluster key and partition count from ``<root>/store``;
+open (or format) the storage directory and recover every assigned partition
+on worker threads; only then listen on the storage, admin and HTTP ports. A
+failure at any step is logged and ends the process with status 1. A bad
+config file is reported by ``Options`` naming the key, before anything starts.
+"""
+
+from twisted.application import internet
+from twisted.internet import defer
+from twisted.python import usage
+
+from waltz.config import ConfigError
+from waltz.daemon import AsyncStartService
+from waltz.http import health_site
+from waltz.storage.config import load_storage_config
+from waltz.storage.handlers import AdminServerProtocol, NodeFactory, StorageServerProtocol
+from waltz.storage.node import StorageNode
+from waltz.zk.bridge import ZooKeeperClient
+from waltz.zk.metadata import ClusterMetadata
+
+
+class Options(usage.Options):
+    """``twistd waltz-storage --config FILE``."""
+
+    synopsis = "--config FILE"
+    longdesc = "Run a Waltz Storage node (see docs/operations.md)."
+    optParameters = [["config", "c", None, "storage configuration file (YAML)"]]
+
+    def postOptions(self):
+        if not self["config"]:
+            raise usage.UsageError("--config FILE is required")
+        try:
+            self.config = load_storage_config(self["config"])
+        except ConfigError as exc:
+            raise usage.UsageError(str(exc)) from None
+
+
+class StorageService(AsyncStartService):
+    """Runs one storage node: ZooKeeper metadata, the storage directory, three ports."""
+
+    name = "waltz-storage"
+
+    def __init__(self, config, reactor):
+        super().__init__(reactor)
+        self.config = config
+        self.node = StorageNode(config["storage.directory"], reactor,
+                                segment_size_threshold=config["storage.segment.size.threshold"],
+                                segment_cache_capacity=config["storage.segment.cache.capacity"])
+        self.zookeeper = None
+        self.ports = []
+
+    @defer.inlineCallbacks
+    def start(self):
+        self.zookeeper = ZooKeeperClient.from_config(self.config, self.reactor)
+        yield self.zookeeper.connect()
+        params = yield ClusterMetadata(self.zookeeper, self.config["cluster.root"], self.reactor).store_params()
+        yield self.zookeeper.close()
+        self.zookeeper = None
+        yield self.node.open(params.key, params.num_partitions)
+        self._listen()
+
+    def _listen(self):
+        config, bind = self.config, self.config["storage.bindAddress"]
+        max_frame = config["storage.maxFrameSize"]
+        factories = (
+            (config["storage.port"], NodeFactory(StorageServerProtocol, self.node, max_frame)),
+            (config["storage.admin.port"], NodeFactory(AdminServerProtocol, self.node, max_frame)),
+            (config["storage.http.port"], health_site(self.node.registry, self.problems)),
+        )
+        for port, factory in factories:
+            server = internet.TCPServer(port, factory, interface=bind)
+            server.setServiceParent(self)
+            self.ports.append(server)
+
+    def problems(self):
+        """Health problems: partitions that failed to open (the original always reports healthy)."""
+        return ["partition %d failed: %s" % (pid, p.failure)
+                for pid, p in sorted(self.node.partitions.items()) if p.failure]
+
+    @defer.inlineCallbacks
+    def stop(self):
+        if self.zookeeper is not None:
+            yield self.zookeeper.close()
+        yield self.node.close()
+
+
+def makeService(options, reactor=None):
+    if reactor is None:
+        from twisted.internet import reactor
+    return StorageService(options.config, reactor)
