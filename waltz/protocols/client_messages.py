@@ -1,0 +1,273 @@
+"""Client-server messages (frame magic ``L``, versions 3 and 4).
+
+Every payload is ``type u8 | ReqId (16 bytes) | body``; the ReqId is the
+:attr:`ClientMessage.req_id` field of every message. Type codes follow the
+original's ``MessageType``; the body of each message is its field list, in
+order (see ``docs/protocol.md`` for the byte layouts).
+
+Transaction data travels with its CRC32C (:func:`waltz.protocols.values.checksum`);
+decoding an :class:`AppendRequest` or a successful :class:`TransactionDataResponse`
+verifies it and raises :class:`~waltz.protocols.errors.ChecksumError` on a mismatch.
+Use :meth:`AppendRequest.create` and :meth:`TransactionDataResponse.success` to
+build them without computing the checksum by hand.
+"""
+
+import enum
+
+import attr
+
+from waltz.protocols.codec import (
+    BOOL, BYTES, I32, I64, INT_LIST, OPT_STRING, REQ_ID, STRING, EnumOf, ListOf, MessageCodec,
+    PairOf, wire)
+from waltz.protocols.values import ReqId, checksum
+
+#: Protocol versions of family ``L`` this implementation speaks (the original's V3 and V4 layouts).
+VERSIONS = (3, 4)
+
+
+class MountState(enum.IntEnum):
+    """Outcome of a mount, carried by :class:`MountResponse` as an i32."""
+
+    READY = 0          #: the feed reached the client's high-water mark
+    NOT_READY = 1      #: the partition is not (yet) served here; retry elsewhere/later
+    CLIENT_AHEAD = 2   #: the client's high-water mark is beyond the partition's
+
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class ClientMessage:
+    """Base of family ``L``: the common header is the request id."""
+
+    req_id: ReqId = wire(REQ_ID)
+
+
+_message = attr.s(frozen=True, slots=True, auto_attribs=True)
+
+
+@_message
+class MountRequest(ClientMessage):
+    """Mount a partition: start the feed after ``client_hwm``.
+
+    ``seq_num`` numbers the client's network clients so the server can drop
+    messages from older connections.
+    """
+
+    TYPE = 0
+    client_hwm: int = wire(I64)
+    seq_num: int = wire(I64)
+
+
+@_message
+class MountResponse(ClientMessage):
+    """Answer to a mount, once the feed has caught up with the client (or cannot)."""
+
+    TYPE = 1
+    state: MountState = wire(EnumOf(MountState))
+
+
+@_message
+class AppendRequest(ClientMessage):
+    """Submit a transaction, with the lock hashes it writes, reads and appends."""
+
+    TYPE = 2
+    client_hwm: int = wire(I64)
+    write_locks: tuple = wire(INT_LIST)
+    read_locks: tuple = wire(INT_LIST)
+    append_locks: tuple = wire(INT_LIST)
+    header: int = wire(I32)
+    data: bytes = wire(BYTES)
+    checksum: int = wire(I32, checksum_of="data")
+
+    @classmethod
+    def create(cls, req_id: ReqId, client_hwm: int, header: int, data: bytes,
+               write_locks=(), read_locks=(), append_locks=()) -> "AppendRequest":
+        """An append request whose checksum is computed from ``data``."""
+        return cls(req_id, client_hwm, write_locks, read_locks, append_locks, header, data,
+                   checksum(data))
+
+
+@_message
+class FeedRequest(ClientMessage):
+    """Start (or resume) the transaction feed after ``client_hwm``."""
+
+    TYPE = 3
+    client_hwm: int = wire(I64)
+
+
+@_message
+class FeedData(ClientMessage):
+    """One committed transaction in the feed; ``req_id`` is the original append's."""
+
+    TYPE = 4
+    transaction_id: int = wire(I64)
+    header: int = wire(I32)
+
+
+@_message
+class FeedSuspended(ClientMessage):
+    """The server paused the feed (the client has caught up); it resumes on a new FeedRequest."""
+
+    TYPE = 5
+
+
+@_message
+class TransactionDataRequest(ClientMessage):
+    """Fetch the data of one transaction (sent on the RPC connection)."""
+
+    TYPE = 6
+    transaction_id: int = wire(I64)
+
+
+@_message
+class TransactionDataResponse(ClientMessage):
+    """The data of a transaction when ``ok``, otherwise the error that prevented the fetch.
+
+    Build with :meth:`success` or :meth:`failure`.
+    """
+
+    TYPE = 7
+    transaction_id: int = wire(I64)
+    ok: bool = wire(BOOL)
+    data: bytes = wire(BYTES, only_if="ok")
+    checksum: int = wire(I32, only_if="ok", checksum_of="data")
+    error: str = wire(OPT_STRING, only_if_not="ok")
+
+    @classmethod
+    def success(cls, req_id: ReqId, transaction_id: int, data: bytes) -> "TransactionDataResponse":
+        """A successful response whose checksum is computed from ``data``."""
+        return cls(req_id, transaction_id, True, data, checksum(data))
+
+    @classmethod
+    def failure(cls, req_id: ReqId, transaction_id: int, error: str) -> "TransactionDataResponse":
+        """A failed response carrying ``error``."""
+        return cls(req_id, transaction_id, False, error=error)
+
+
+@_message
+class FlushRequest(ClientMessage):
+    """Ask to be told when every append sent before this one has resolved."""
+
+    TYPE = 8
+
+
+@_message
+class FlushResponse(ClientMessage):
+    """Every earlier append has resolved; ``high_water_mark`` is the partition's at that point."""
+
+    TYPE = 9
+    high_water_mark: int = wire(I64)
+
+
+@_message
+class LockFailure(ClientMessage):
+    """The append ``req_id`` failed a lock check; ``transaction_id`` is the estimated lock high-water mark."""
+
+    TYPE = 10
+    transaction_id: int = wire(I64)
+
+
+@_message
+class HighWaterMarkRequest(ClientMessage):
+    """Ask for the partition's current high-water mark."""
+
+    TYPE = 11
+
+
+@_message
+class HighWaterMarkResponse(ClientMessage):
+    """The partition's current high-water mark."""
+
+    TYPE = 12
+    high_water_mark: int = wire(I64)
+
+
+@_message
+class CheckStorageConnectivityRequest(ClientMessage):
+    """Ask the server whether it can reach each storage node."""
+
+    TYPE = 13
+
+
+@_message
+class CheckStorageConnectivityResponse(ClientMessage):
+    """``(storage connect string, reachable)`` per storage node (a mapping is accepted too)."""
+
+    TYPE = 14
+    connectivity: tuple = wire(ListOf(PairOf(STRING, BOOL)))
+
+
+@_message
+class ServerPartitionsAssignmentRequest(ClientMessage):
+    """Ask which partitions the server is assigned."""
+
+    TYPE = 15
+
+
+@_message
+class ServerPartitionsAssignmentResponse(ClientMessage):
+    """The partitions assigned to the server."""
+
+    TYPE = 16
+    partition_ids: tuple = wire(INT_LIST)
+
+
+@_message
+class AddPreferredPartitionRequest(ClientMessage):
+    """Ask the server to prefer (take) these partitions."""
+
+    TYPE = 17
+    partition_ids: tuple = wire(INT_LIST)
+
+
+@_message
+class AddPreferredPartitionResponse(ClientMessage):
+    """Whether the preferred partitions were added."""
+
+    TYPE = 18
+    result: bool = wire(BOOL)
+
+
+@_message
+class RemovePreferredPartitionRequest(ClientMessage):
+    """Ask the server to stop preferring these partitions."""
+
+    TYPE = 19
+    partition_ids: tuple = wire(INT_LIST)
+
+
+@_message
+class RemovePreferredPartitionResponse(ClientMessage):
+    """Whether the preferred partitions were removed."""
+
+    TYPE = 20
+    result: bool = wire(BOOL)
+
+
+@_message
+class PartitionsHealthRequest(ClientMessage):
+    """Ask for the health of the server's partitions (version 4 only)."""
+
+    TYPE = 21
+    MIN_VERSION = 4
+
+
+@_message
+class PartitionsHealthResponse(ClientMessage):
+    """``(partition id, healthy)`` per partition of the server (version 4 only)."""
+
+    TYPE = 22
+    MIN_VERSION = 4
+    partition_health: tuple = wire(ListOf(PairOf(I32, BOOL)))
+
+
+MESSAGE_CLASSES = (
+    MountRequest, MountResponse, AppendRequest, FeedRequest, FeedData, FeedSuspended,
+    TransactionDataRequest, TransactionDataResponse, FlushRequest, FlushResponse, LockFailure,
+    HighWaterMarkRequest, HighWaterMarkResponse, CheckStorageConnectivityRequest,
+    CheckStorageConnectivityResponse, ServerPartitionsAssignmentRequest,
+    ServerPartitionsAssignmentResponse, AddPreferredPartitionRequest,
+    AddPreferredPartitionResponse, RemovePreferredPartitionRequest,
+    RemovePreferredPartitionResponse, PartitionsHealthRequest, PartitionsHealthResponse,
+)
+
+#: The codec of family ``L``.
+CLIENT_CODEC = MessageCodec(b"L", VERSIONS, ClientMessage, MESSAGE_CLASSES)
