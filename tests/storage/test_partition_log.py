@@ -1,0 +1,303 @@
+"""PartitionLog: appends, validation, roll-over, truncation, the segment cache, and a model check."""
+
+import os
+import shutil
+import tempfile
+
+import attr
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from waltz.storage import segment as segment_module
+from waltz.storage.errors import RecordChecksumMismatch, StorageClosed, TransactionIdOutOfSequence
+from waltz.storage.partition_log import PartitionLog
+from waltz.storage.segment import RECORD_OVERHEAD, data_file_name, index_file_name
+
+from tests.storage.test_segment import KEY, PARTITION, make_record, make_records, open_log
+
+#: Records of 60 bytes on disk; with this threshold a segment holds 4 of them (128 + 3 * 60 <= 350 < 128 + 4 * 60).
+RECORD_SIZE = 60 - RECORD_OVERHEAD
+SMALL = 350
+
+
+def small_records(first, count):
+    return make_records(first, count, size=RECORD_SIZE)
+
+
+def directory_bytes(log):
+    return {name: os.path.getsize(os.path.join(log.directory, name)) for name in os.listdir(log.directory)}
+
+
+@pytest.fixture
+def log(tmp_path):
+    log = open_log(tmp_path)
+    yield log
+    log.close()
+
+
+@pytest.fixture
+def small_log(tmp_path):
+    log = open_log(tmp_path, segment_size_threshold=SMALL)
+    yield log
+    log.close()
+
+
+# -- append and read -------------------------------------------------------------------------------
+
+def test_append_and_read_back(log):
+    records = make_records(0, 30)
+    log.append(records[:1])
+    log.append(records[1:30])
+    log.sync()
+    assert log.max_transaction_id == 29
+    assert log.read_record(17) == records[17]
+    assert log.read_header(17) == records[17].record_header
+    assert log.read_records(0, 100) == records
+    assert log.read_records(25, 3) == records[25:28]
+    assert log.read_headers(28, 10) == [r.record_header for r in records[28:]]
+    assert log.read_record(30) is None
+    assert log.read_header(-1) is None
+    assert log.read_records(30, 5) == []
+    assert log.read_records(3, 0) == []
+
+
+def test_records_survive_close_and_reopen(tmp_path):
+    records = make_records(0, 50)
+    log = open_log(tmp_path, segment_size_threshold=1000)
+    log.append(records)
+    log.close()
+    reopened = open_log(tmp_path, segment_size_threshold=1000)
+    assert reopened.segment_ids == log.segment_ids
+    assert reopened.max_transaction_id == 49
+    assert reopened.read_records(0, 100) == records
+    reopened.close()
+
+
+@pytest.mark.parametrize("bad_batch, error", [
+    (lambda: make_records(6, 3), TransactionIdOutOfSequence),                       # a gap
+    (lambda: make_records(4, 3), TransactionIdOutOfSequence),                       # overlaps the log
+    (lambda: make_records(5, 2) + make_records(8, 1), TransactionIdOutOfSequence),  # a gap inside
+    (lambda: make_records(5, 2) + [attr.evolve(make_record(7), checksum=1)], RecordChecksumMismatch),
+    (lambda: [attr.evolve(make_record(5), data=b"tampered")], RecordChecksumMismatch),
+])
+def test_rejected_batches_write_nothing(small_log, bad_batch, error):
+    small_log.append(small_records(0, 5))
+    before = directory_bytes(small_log)
+    with pytest.raises(error, match="partition %d" % PARTITION):
+        small_log.append(bad_batch())
+    assert small_log.max_transaction_id == 4
+    assert directory_bytes(small_log) == before
+    small_log.append(small_records(5, 1))  # the log still takes the right continuation
+    assert small_log.max_transaction_id == 5
+
+
+def test_an_empty_log_starts_at_transaction_zero(log):
+    with pytest.raises(TransactionIdOutOfSequence, match="expected 0"):
+        log.append(make_records(1, 1))
+    log.append([])
+    assert log.max_transaction_id == -1
+    assert log.segment_ids == ()
+
+
+@pytest.mark.parametrize("failing_write", [
+    1,  # the first record, into the existing segment
+    2,  # creating the next segment's index file
+    3,  # creating its data file
+    4,  # the records that go into the new segment
+])
+def test_io_error_in_the_middle_of_a_batch_leaves_nothing_of_it(small_log, monkeypatch, failing_write):
+    small_log.append(small_records(0, 3))
+    before = directory_bytes(small_log)
+    real_pwrite_all, calls = segment_module.pwrite_all, []
+
+    def failing_pwrite_all(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == failing_write:
+            raise OSError(28, "No space left on device")
+        real_pwrite_all(fd, data, offset)
+
+    monkeypatch.setattr(segment_module, "pwrite_all", failing_pwrite_all)
+    with pytest.raises(OSError, match="No space"):
+        small_log.append(small_records(3, 6))
+    monkeypatch.undo()
+    assert small_log.max_transaction_id == 2
+    assert directory_bytes(small_log) == before
+    assert small_log.cached_segment_ids == ()
+    small_log.append(small_records(3, 6))
+    assert small_log.read_records(0, 20) == small_records(0, 9)
+    assert small_log.segment_ids == (0, 4, 8)
+
+
+# -- roll-over -------------------------------------------------------------------------------------
+
+def test_rolls_to_new_segments_at_the_threshold(small_log):
+    records = small_records(0, 10)
+    small_log.append(records[:3])
+    small_log.append(records[3:])     # rolls between records, in the middle of the batch
+    assert small_log.segment_ids == (0, 4, 8)
+    names = sorted(os.listdir(small_log.directory))
+    assert names == sorted(data_file_name(first)[:-4] + suffix for first in (0, 4, 8) for suffix in (".seg", ".idx"))
+    for first in (0, 4):
+        size = os.path.getsize(os.path.join(small_log.directory, data_file_name(first)))
+        assert size == 128 + 4 * 60 and size > SMALL
+    assert small_log.read_records(0, 100) == records
+    assert small_log.read_records(3, 2) == records[3:5]  # a read across a segment boundary
+
+
+def test_a_record_larger_than_the_threshold_gets_a_segment_of_its_own(tmp_path):
+    log = open_log(tmp_path, segment_size_threshold=100)
+    records = make_records(0, 3, size=500)
+    log.append(records)
+    assert log.segment_ids == (0, 1, 2)
+    assert log.read_records(0, 3) == records
+    log.close()
+
+
+# -- truncate --------------------------------------------------------------------------------------
+
+def test_truncate_inside_a_segment(small_log):
+    records = small_records(0, 10)
+    small_log.append(records)
+    small_log.truncate(5)
+    assert small_log.max_transaction_id == 5
+    assert small_log.segment_ids == (0, 4)
+    assert small_log.read_records(0, 100) == records[:6]
+    size = os.path.getsize(os.path.join(small_log.directory, data_file_name(4)))
+    assert size == 128 + 2 * 60
+    small_log.append(small_records(6, 1))
+    assert small_log.read_record(6) == records[6]
+
+
+def test_truncate_exactly_at_a_segment_boundary(small_log):
+    records = small_records(0, 10)
+    small_log.append(records)
+    small_log.truncate(7)
+    assert small_log.segment_ids == (0, 4)
+    assert small_log.max_transaction_id == 7
+    assert not os.path.exists(os.path.join(small_log.directory, data_file_name(8)))
+    small_log.append(small_records(8, 3))   # the full segment rolls again to a new 8
+    assert small_log.segment_ids == (0, 4, 8)
+    assert small_log.read_records(0, 100) == small_records(0, 11)
+
+
+def test_truncate_across_several_segments(small_log, tmp_path):
+    small_log.append(small_records(0, 20))
+    assert small_log.segment_ids == (0, 4, 8, 12, 16)
+    small_log.read_records(0, 20)   # fill the cache with older segments
+    small_log.truncate(2)
+    assert small_log.segment_ids == (0,)
+    assert small_log.max_transaction_id == 2
+    assert sorted(os.listdir(small_log.directory)) == ["0000000000000000000.idx", "0000000000000000000.seg"]
+    assert small_log.read_records(0, 100) == small_records(0, 3)
+    small_log.close()
+    reopened = open_log(tmp_path, segment_size_threshold=SMALL)
+    assert reopened.max_transaction_id == 2
+    reopened.close()
+
+
+def test_truncate_into_an_older_segment_recovers_it_first(small_log):
+    small_log.append(small_records(0, 12))   # segments 0, 4, 8
+    os.unlink(os.path.join(small_log.directory, index_file_name(4)))  # an old segment lost its index
+    small_log.truncate(6)
+    assert small_log.max_transaction_id == 6
+    assert small_log.read_records(0, 100) == small_records(0, 7)
+
+
+def test_truncate_to_minus_one_empties_the_partition(small_log):
+    small_log.append(small_records(0, 9))
+    small_log.truncate(-1)
+    assert small_log.max_transaction_id == -1
+    assert small_log.segment_ids == ()
+    assert os.listdir(small_log.directory) == []
+    assert small_log.read_record(0) is None
+    small_log.append(small_records(0, 2))
+    assert small_log.read_records(0, 5) == small_records(0, 2)
+
+
+def test_truncate_past_the_end_changes_nothing(small_log):
+    small_log.append(small_records(0, 5))
+    before = directory_bytes(small_log)
+    small_log.truncate(4)
+    small_log.truncate(100)
+    assert small_log.max_transaction_id == 4
+    assert directory_bytes(small_log) == before
+
+
+# -- segment cache ---------------------------------------------------------------------------------
+
+def test_lru_cache_evicts_old_segments_and_reads_stay_correct(tmp_path):
+    log = open_log(tmp_path, segment_size_threshold=SMALL, segment_cache_capacity=2)
+    records = small_records(0, 24)   # segments 0, 4, ..., 20
+    log.append(records)
+    assert log.cached_segment_ids == (12, 16)  # rolled segments stay open, the oldest evicted
+    assert log.read_record(1) == records[1]
+    assert log.cached_segment_ids == (16, 0)
+    assert log.read_record(5) == records[5]
+    assert log.cached_segment_ids == (0, 4)
+    assert log.read_record(2) == records[2]      # a hit moves to the back
+    assert log.cached_segment_ids == (4, 0)
+    assert log.read_record(9) == records[9]
+    assert log.cached_segment_ids == (0, 8)
+    assert log.read_records(0, 100) == records   # sweeps through every segment with two slots
+    assert len(log.cached_segment_ids) == 2
+    assert log.read_record(22) == records[22]    # the active segment is not cached
+    assert 20 not in log.cached_segment_ids
+    log.close()
+
+
+# -- lifecycle -------------------------------------------------------------------------------------
+
+def test_closed_log_refuses_use(log):
+    log.append(make_records(0, 2))
+    log.close()
+    log.close()
+    with pytest.raises(StorageClosed):
+        log.read_record(0)
+    with pytest.raises(StorageClosed):
+        log.append(make_records(2, 1))
+
+
+def test_delete_files_removes_the_partition_directory(small_log):
+    small_log.append(small_records(0, 10))
+    small_log.delete_files()
+    assert not os.path.exists(small_log.directory)
+    assert os.listdir(os.path.dirname(small_log.directory)) == []
+
+
+# -- model check -----------------------------------------------------------------------------------
+
+operations = st.lists(st.one_of(
+    st.tuples(st.just("append"), st.lists(st.integers(0, 120), min_size=1, max_size=8)),
+    st.tuples(st.just("truncate"), st.integers(-3, 40)),
+    st.tuples(st.just("reopen"), st.none()),
+), max_size=25)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations)
+def test_behaves_like_a_list(ops):
+    directory = tempfile.mkdtemp()
+    model = []   # model[i] is the record of transaction i
+    log = PartitionLog.open(directory, KEY, PARTITION, segment_size_threshold=400, segment_cache_capacity=2)
+    try:
+        for op, arg in ops:
+            if op == "append":
+                batch = [make_record(len(model) + k, size) for k, size in enumerate(arg)]
+                log.append(batch)
+                model.extend(batch)
+            elif op == "truncate":
+                log.truncate(arg)
+                del model[max(arg + 1, 0):]
+            else:
+                log.close()
+                log = PartitionLog.open(directory, KEY, PARTITION, segment_size_threshold=400,
+                                        segment_cache_capacity=2)
+            assert log.max_transaction_id == len(model) - 1
+            assert log.read_records(0, len(model) + 5) == model
+            if model:
+                middle = len(model) // 2
+                assert log.read_headers(middle, 3) == [r.record_header for r in model[middle:middle + 3]]
+    finally:
+        log.close()
+        shutil.rmtree(directory)

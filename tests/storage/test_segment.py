@@ -1,0 +1,297 @@
+"""Segment files: byte layouts, header checks, checkpoint syncs, and recovery after crashes."""
+
+import os
+import struct
+import uuid
+
+import pytest
+
+from waltz.protocols.values import Record, ReqId, checksum
+from waltz.storage import index as index_module
+from waltz.storage.errors import CorruptedRecord, SegmentError
+from waltz.storage.partition_log import PartitionLog, partition_directory
+from waltz.storage.segment import (
+    CHECKPOINT_INTERVAL, RECORD_OVERHEAD, Segment, SegmentHeader, data_file_name, encode_record, index_file_name,
+    list_segments,
+)
+
+KEY = uuid.UUID("0b6b1d3e-8c4a-4f5e-9a7d-2f1e0c9b8a76")
+PARTITION = 3
+
+
+def make_record(txn, size=None, partition=PARTITION):
+    """A valid record whose data depends on ``txn`` (``size`` defaults to 10 + txn % 7)."""
+    size = 10 + txn % 7 if size is None else size
+    data = (b"%d:" % txn * (size // 2 + 1))[:size]
+    return Record.create(txn, ReqId(11, 2, partition, txn), txn * 3, data)
+
+
+def make_records(first, count, size=None):
+    return [make_record(txn, size) for txn in range(first, first + count)]
+
+
+def open_log(tmp_path, **kwargs):
+    return PartitionLog.open(str(tmp_path), KEY, PARTITION, **kwargs)
+
+
+def segment_paths(tmp_path, first=0):
+    directory = partition_directory(str(tmp_path), PARTITION)
+    return os.path.join(directory, data_file_name(first)), os.path.join(directory, index_file_name(first))
+
+
+def written_log(tmp_path, count, **kwargs):
+    """A closed log holding records 0..count-1; returns the records."""
+    records = make_records(0, count)
+    log = open_log(tmp_path, **kwargs)
+    log.append(records)
+    log.close()
+    return records
+
+
+def record_offsets(records, first_offset=128):
+    offsets, offset = [], first_offset
+    for record in records:
+        offsets.append(offset)
+        offset += RECORD_OVERHEAD + len(record.data)
+    return offsets
+
+
+def read_index(path):
+    raw = open(path, "rb").read()[128:]
+    return list(struct.unpack(">%dq" % (len(raw) // 8), raw[:len(raw) // 8 * 8]))
+
+
+# -- layouts ---------------------------------------------------------------------------------------
+
+def test_record_on_disk_layout():
+    record = Record.create(7, ReqId(1, 2, 3, 4), 5, b"abc")
+    encoded = encode_record(record)
+    head = struct.pack(">qiiiiiii", 7, 1, 2, 3, 4, 5, 3, checksum(b"abc"))
+    assert encoded == head + b"abc" + struct.pack(">i", checksum(head + b"abc"))
+    assert len(encoded) == RECORD_OVERHEAD + 3 == 43
+
+
+def test_segment_file_names_and_header_layout(tmp_path):
+    log = open_log(tmp_path, clock=lambda: 1234.5)
+    log.append(make_records(0, 3))
+    log.close()
+    data_path, index_path = segment_paths(tmp_path)
+    assert os.path.basename(data_path) == "0000000000000000000.seg"
+    assert os.path.basename(index_path) == "0000000000000000000.idx"
+    expected = struct.pack(">iq16siq", 0, 1234500, KEY.bytes, PARTITION, 0).ljust(128, b"\0")
+    assert open(data_path, "rb").read(128) == expected
+    assert open(index_path, "rb").read(128) == expected
+    assert SegmentHeader.decode(expected) == SegmentHeader(0, 1234500, KEY, PARTITION, 0)
+
+
+def test_index_is_an_offset_array_after_the_header(tmp_path):
+    records = written_log(tmp_path, 5)
+    data_path, index_path = segment_paths(tmp_path)
+    assert read_index(index_path) == record_offsets(records)
+    assert os.path.getsize(index_path) == 128 + 8 * 5
+    raw = open(data_path, "rb").read()
+    assert raw[128:] == b"".join(encode_record(r) for r in records)
+
+
+# -- header checks ---------------------------------------------------------------------------------
+
+def test_segment_of_another_cluster_or_partition_is_refused(tmp_path):
+    written_log(tmp_path, 2)
+    directory = partition_directory(str(tmp_path), PARTITION)
+    with pytest.raises(SegmentError, match="cluster key .*\\(expected 00000000-0000-0000-0000-000000000005\\)"):
+        PartitionLog.open(str(tmp_path), uuid.UUID(int=5), PARTITION)
+    with pytest.raises(SegmentError, match="partition 3 \\(expected 4\\)"):
+        Segment.open(directory, 0, KEY, 4)
+
+
+def test_segment_whose_name_disagrees_with_its_first_transaction_is_refused(tmp_path):
+    written_log(tmp_path, 2)
+    data_path, index_path = segment_paths(tmp_path)
+    os.rename(data_path, data_path.replace("0000000000000000000", "0000000000000000005"))
+    os.rename(index_path, index_path.replace("0000000000000000000", "0000000000000000005"))
+    with pytest.raises(SegmentError, match="first transaction id 0 \\(the file name says 5\\)"):
+        open_log(tmp_path)
+
+
+def test_empty_partition_directory_is_an_empty_log(tmp_path):
+    os.makedirs(partition_directory(str(tmp_path), PARTITION))
+    log = open_log(tmp_path)
+    assert log.max_transaction_id == -1
+    assert log.segment_ids == ()
+    assert log.read_record(0) is None
+    assert list_segments(log.directory) == []
+    log.close()
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+
+def test_index_is_synced_before_each_checkpoint_record(tmp_path, monkeypatch):
+    log = open_log(tmp_path)
+    log.append(make_records(0, 995))
+    synced_counts = []
+    real_datasync = index_module.datasync
+
+    def recording_datasync(fd):
+        synced_counts.append(os.fstat(fd).st_size)
+        real_datasync(fd)
+
+    monkeypatch.setattr(index_module, "datasync", recording_datasync)
+    log.append(make_records(995, 10))      # crosses 1000: one index sync, holding entries 0..999
+    assert synced_counts == [128 + 8 * CHECKPOINT_INTERVAL]
+    log.sync()                             # the data only
+    assert len(synced_counts) == 1
+    log.sync(index=True)
+    assert synced_counts[-1] == 128 + 8 * 1005
+    log.close()
+
+
+# -- recovery --------------------------------------------------------------------------------------
+
+def test_recovery_after_a_partial_record_at_the_end(tmp_path):
+    records = written_log(tmp_path, 20)
+    data_path, index_path = segment_paths(tmp_path)
+    cut = record_offsets(records)[12] + 17  # in the middle of record 12
+    os.truncate(data_path, cut)
+    log = open_log(tmp_path)
+    assert log.max_transaction_id == 11
+    assert log.recovery.truncated_bytes == 17
+    assert "record 12" in log.recovery.problem
+    assert log.read_records(0, 100) == records[:12]
+    assert read_index(index_path) == record_offsets(records)[:12]
+    assert os.path.getsize(data_path) == record_offsets(records)[12]
+    log.append(make_records(12, 3))  # the log continues where it was cut
+    assert log.read_records(10, 10) == records[10:15]
+    log.close()
+
+
+def test_recovery_cuts_at_the_first_record_with_a_bad_byte(tmp_path):
+    records = written_log(tmp_path, 20)
+    data_path, index_path = segment_paths(tmp_path)
+    offset = record_offsets(records)[7] + 40  # a data byte of record 7
+    with open(data_path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 1]))
+    log = open_log(tmp_path)
+    assert log.max_transaction_id == 6
+    assert "checksum mismatch" in log.recovery.problem
+    assert log.read_records(0, 100) == records[:7]
+    assert read_index(index_path) == record_offsets(records)[:7]
+    log.close()
+
+
+@pytest.mark.parametrize("kept_entries", [0, 5, 19])
+def test_recovery_rebuilds_a_short_index(tmp_path, kept_entries):
+    records = written_log(tmp_path, 20)
+    _data_path, index_path = segment_paths(tmp_path)
+    os.truncate(index_path, 128 + 8 * kept_entries + 3)  # lost writes, with a torn last entry
+    log = open_log(tmp_path)
+    assert log.max_transaction_id == 19
+    assert log.read_records(0, 100) == records
+    assert read_index(index_path) == record_offsets(records)
+    log.close()
+
+
+def test_recovery_trims_an_index_longer_than_the_data(tmp_path):
+    records = written_log(tmp_path, 20)
+    data_path, index_path = segment_paths(tmp_path)
+    os.truncate(data_path, record_offsets(records)[15])  # data writes of 15.. lost, index writes kept
+    log = open_log(tmp_path)
+    assert log.max_transaction_id == 14
+    assert log.recovery.truncated_bytes == 0
+    assert read_index(index_path) == record_offsets(records)[:15]
+    assert log.read_record(15) is None
+    log.close()
+
+
+def test_recovery_with_garbage_index_entries_after_the_checkpoint(tmp_path):
+    records = written_log(tmp_path, 1010)
+    _data_path, index_path = segment_paths(tmp_path)
+    with open(index_path, "r+b") as f:  # entries 1000.. were never synced: pretend they are zeros
+        f.seek(128 + 8 * 1000)
+        f.write(bytes(8 * 10))
+    log = open_log(tmp_path)
+    assert log.recovery.scan_from == 1000
+    assert log.recovery.records_scanned == 10
+    assert log.read_records(995, 20) == records[995:]
+    assert read_index(index_path) == record_offsets(records)
+    log.close()
+
+
+def test_recovery_scans_from_the_local_low_water_mark_or_the_checkpoint(tmp_path):
+    written_log(tmp_path, 1500)
+    log = open_log(tmp_path, local_low_water_mark=1300)
+    assert (log.recovery.scan_from, log.recovery.records_scanned) == (1301, 199)
+    log.close()
+    log = open_log(tmp_path, local_low_water_mark=200)
+    assert (log.recovery.scan_from, log.recovery.records_scanned) == (1000, 500)
+    log.close()
+    log = open_log(tmp_path, local_low_water_mark=5000)  # stale or restored files: clamped to the index
+    assert log.max_transaction_id == 1499
+    log.close()
+
+
+def test_recovery_rescans_everything_when_the_trusted_record_is_damaged(tmp_path):
+    records = written_log(tmp_path, 1005)
+    _data_path, index_path = segment_paths(tmp_path)
+    with open(index_path, "r+b") as f:  # entry 999 (the last trusted one) points into a record
+        f.seek(128 + 8 * 999)
+        f.write(struct.pack(">q", record_offsets(records)[999] + 1))
+    log = open_log(tmp_path)
+    assert log.recovery.scan_from == 0
+    assert log.max_transaction_id == 1004
+    assert read_index(index_path) == record_offsets(records)
+    log.close()
+
+
+def test_recovery_recreates_a_missing_index(tmp_path):
+    records = written_log(tmp_path, 8)
+    _data_path, index_path = segment_paths(tmp_path)
+    os.unlink(index_path)
+    log = open_log(tmp_path)
+    assert log.read_records(0, 10) == records
+    assert read_index(index_path) == record_offsets(records)
+    log.close()
+
+
+def test_open_removes_leftovers_of_an_interrupted_segment_creation(tmp_path):
+    written_log(tmp_path, 3)
+    directory = partition_directory(str(tmp_path), PARTITION)
+    for name in ("0000000000000000003.seg.tmp", "0000000000000000003.idx"):
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(b"partial")
+    log = open_log(tmp_path)
+    assert sorted(os.listdir(directory)) == ["0000000000000000000.idx", "0000000000000000000.seg"]
+    assert log.max_transaction_id == 2
+    log.close()
+
+
+# -- reads never return damaged data ---------------------------------------------------------------
+
+def test_reading_a_damaged_record_raises(tmp_path):
+    records = written_log(tmp_path, 10)
+    log = open_log(tmp_path)
+    data_path, _index_path = segment_paths(tmp_path)
+    with open(data_path, "r+b") as f:  # damaged after recovery, while the log is open
+        f.seek(record_offsets(records)[4] + 38)
+        f.write(b"\xff")
+    assert log.read_records(0, 4) == records[:4]
+    with pytest.raises(CorruptedRecord, match="record 4 at offset .*checksum mismatch"):
+        log.read_record(4)
+    with pytest.raises(CorruptedRecord):
+        log.read_headers(2, 5)
+    assert log.read_records(5, 10) == records[5:]
+    log.close()
+
+
+def test_reading_through_a_wrong_index_entry_raises(tmp_path):
+    records = written_log(tmp_path, 10)
+    log = open_log(tmp_path)
+    _data_path, index_path = segment_paths(tmp_path)
+    with open(index_path, "r+b") as f:
+        f.seek(128 + 8 * 6)
+        f.write(struct.pack(">q", record_offsets(records)[5]))
+    with pytest.raises(CorruptedRecord, match="record 6"):
+        log.read_record(6)
+    log.close()

@@ -1,0 +1,322 @@
+"""All segments of one partition: the partition's durable, dense log of records.
+
+A partition lives in ``<storage dir>/<partitionId>/`` as segments named after
+their first transaction id (see :mod:`waltz.storage.segment`). The newest
+segment is open for writing; older ones are opened read-only on demand and kept
+in an LRU cache of ``segment_cache_capacity`` open segments.
+
+:meth:`PartitionLog.open` runs recovery on the newest segment. :meth:`append`
+validates a whole batch before writing any of it and only hands the bytes to
+the OS; :meth:`sync` makes them durable, so the caller can group several
+appends into one fdatasync.
+
+Blocking and thread-confined: the storage daemon runs each partition's log on
+that partition's worker thread; nothing here takes a lock.
+"""
+
+import bisect
+import collections
+import os
+import shutil
+import time
+import uuid
+
+from waltz.storage.errors import (
+    RecordChecksumMismatch, SegmentError, StorageClosed, TransactionIdOutOfSequence,
+)
+from waltz.storage.fileio import fsync_directory
+from waltz.storage.segment import (
+    Segment, encode_record, list_segments, remove_segment_files, remove_stray_files,
+)
+
+DEFAULT_SEGMENT_SIZE_THRESHOLD = 1_000_000_000
+DEFAULT_SEGMENT_CACHE_CAPACITY = 5
+
+
+def partition_directory(storage_dir: str, partition_id: int) -> str:
+    """``<storage dir>/<partitionId>``."""
+    return os.path.join(storage_dir, str(partition_id))
+
+
+class PartitionLog:
+    """The log of one partition. Use :meth:`open`."""
+
+    def __init__(self, storage_dir: str, key: uuid.UUID, partition_id: int, segment_size_threshold: int,
+                 segment_cache_capacity: int, clock):
+        if segment_cache_capacity < 1:
+            raise ValueError("segment_cache_capacity must be at least 1, got %d" % segment_cache_capacity)
+        self.key = key
+        self.partition_id = partition_id
+        self.directory = partition_directory(storage_dir, partition_id)
+        self.segment_size_threshold = segment_size_threshold
+        self.segment_cache_capacity = segment_cache_capacity
+        self.recovery = None  #: the newest segment's RecoveryReport from open()
+        self._clock = clock
+        self._segment_ids = []  # first transaction ids, ascending
+        self._active = None     # the newest segment, open for writing
+        self._cache = collections.OrderedDict()  # first txn id -> older Segment, least recently used first
+        self._closed = False
+
+    @classmethod
+    def open(cls, storage_dir: str, key: uuid.UUID, partition_id: int, local_low_water_mark: int = -1,
+             segment_size_threshold: int = DEFAULT_SEGMENT_SIZE_THRESHOLD,
+             segment_cache_capacity: int = DEFAULT_SEGMENT_CACHE_CAPACITY, clock=time.time) -> "PartitionLog":
+        """Open (creating its directory if needed) and recover a partition's log.
+
+        ``local_low_water_mark`` is the partition's local LWM from the control
+        file: records up to it were synced with their index when it was set, so
+        recovery need not rescan them. The newest segment's records after the
+        trusted point are validated; the log is cut at the first bad one
+        (``self.recovery`` reports what happened).
+        """
+        log = cls(storage_dir, key, partition_id, segment_size_threshold, segment_cache_capacity, clock)
+        os.makedirs(log.directory, exist_ok=True)
+        remove_stray_files(log.directory)
+        log._segment_ids = list_segments(log.directory)
+        if log._segment_ids:
+            log._active = log._open_segment(log._segment_ids[-1], read_only=False)
+            log.recovery = log._active.recover(local_low_water_mark)
+        return log
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def max_transaction_id(self) -> int:
+        """The last transaction id stored (-1 for an empty log)."""
+        return self._active.max_transaction_id if self._active is not None else -1
+
+    @property
+    def segment_ids(self) -> tuple:
+        """First transaction ids of the segments, ascending."""
+        return tuple(self._segment_ids)
+
+    @property
+    def cached_segment_ids(self) -> tuple:
+        """First transaction ids of the older segments currently open, least recently used first."""
+        return tuple(self._cache)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def append(self, records) -> None:
+        """Append a batch of records, or raise and write nothing of it.
+
+        The first record must have id ``max_transaction_id + 1`` and each next
+        one the following id (:class:`TransactionIdOutOfSequence`); each data
+        checksum must match (:class:`RecordChecksumMismatch`). The bytes go to
+        the OS only: call :meth:`sync` before acknowledging. The log rolls to a
+        new segment between records once the current data file exceeds
+        ``segment_size_threshold``.
+        """
+        self._check_open()
+        records = list(records)
+        self._validate(records)
+        encoded = [(record.transaction_id, encode_record(record)) for record in records]
+        before = self.max_transaction_id
+        try:
+            pos = 0
+            while pos < len(encoded):
+                segment = self._segment_for_append(encoded[pos][0])
+                end = self._fitting(segment, encoded, pos)
+                segment.append(encoded[pos:end])
+                pos = end
+        except OSError:
+            self.truncate(before)  # a batch is all or nothing, even on I/O errors
+            raise
+
+    def _validate(self, records) -> None:
+        expected = self.max_transaction_id + 1
+        for record in records:
+            if record.transaction_id != expected:
+                raise TransactionIdOutOfSequence(
+                    "partition %d: append of transaction %d rejected, expected %d (the log ends at %d)"
+                    % (self.partition_id, record.transaction_id, expected, self.max_transaction_id))
+            if not record.is_valid():
+                raise RecordChecksumMismatch(
+                    "partition %d: append rejected, record %d's data does not match its checksum"
+                    % (self.partition_id, record.transaction_id))
+            expected += 1
+
+    def _segment_for_append(self, transaction_id: int) -> Segment:
+        active = self._active
+        if active is None or (active.record_count and active.data_size > self.segment_size_threshold):
+            self._roll(transaction_id)
+        return self._active
+
+    def _fitting(self, segment: Segment, encoded, pos: int) -> int:
+        """End of the run of ``encoded[pos:]`` that goes to ``segment``: at least one record, then
+        more while the data file has not exceeded the threshold (the check is between records)."""
+        size = segment.data_size + len(encoded[pos][1])
+        end = pos + 1
+        while end < len(encoded) and size <= self.segment_size_threshold:
+            size += len(encoded[end][1])
+            end += 1
+        return end
+
+    def _roll(self, first_transaction_id: int) -> None:
+        """Seal the active segment (synced, kept open in the cache) and start a new one."""
+        if self._active is not None:
+            self._active.sync(index=True)
+        segment = Segment.create(self.directory, self.key, self.partition_id, first_transaction_id, self._clock)
+        if self._active is not None:
+            self._cache_put(self._active)
+        self._active = segment
+        self._segment_ids.append(first_transaction_id)
+
+    def sync(self, index: bool = False) -> None:
+        """Make every append so far durable: fdatasync the active data file.
+
+        ``index=True`` also syncs the index (before the local low-water mark is
+        recorded, at close). Checkpoint and roll syncs happen inside
+        :meth:`append`.
+        """
+        self._check_open()
+        if self._active is not None:
+            self._active.sync(index=index)
+
+    def truncate(self, transaction_id: int) -> None:
+        """Keep the records up to ``transaction_id`` and delete the rest, durably.
+
+        Later segments are deleted newest first, then the segment holding
+        ``transaction_id`` is cut; -1 (or anything below the first record)
+        empties the log. Nothing happens when ``transaction_id`` is at or past
+        the end.
+        """
+        self._check_open()
+        if transaction_id >= self.max_transaction_id:
+            return
+        while self._segment_ids and self._segment_ids[-1] > transaction_id:
+            self._delete_newest_segment()
+        if self._segment_ids:
+            self._active = self._reopen_for_writing(self._segment_ids[-1])
+            self._active.truncate(transaction_id)
+        fsync_directory(self.directory)
+
+    def _delete_newest_segment(self) -> None:
+        first = self._segment_ids.pop()
+        segment = self._active if self._active is not None and self._active.first_transaction_id == first \
+            else self._cache.pop(first, None)
+        if segment is self._active:
+            self._active = None
+        if segment is not None:
+            segment.delete_files()
+        else:
+            remove_segment_files(self.directory, first)
+
+    def _reopen_for_writing(self, first: int) -> Segment:
+        if self._active is not None and self._active.first_transaction_id == first:
+            return self._active
+        cached = self._cache.pop(first, None)
+        if cached is not None:
+            cached.close()
+        segment = self._open_segment(first, read_only=False)
+        segment.recover()  # the newest segment is always a recovered one (cheap: it was synced at roll)
+        return segment
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def read_records(self, transaction_id: int, max_count: int) -> list:
+        """Up to ``max_count`` records from ``transaction_id`` on (fewer or none past the end).
+
+        Every record is CRC-checked: a damaged one raises
+        :class:`~waltz.storage.errors.CorruptedRecord`, never returns bad data.
+        """
+        self._check_open()
+        records = []
+        while len(records) < max_count and 0 <= transaction_id <= self.max_transaction_id:
+            segment = self._segment_containing(transaction_id)
+            if segment is None:
+                break
+            got = segment.read_records(transaction_id, max_count - len(records))
+            if not got:
+                break
+            records.extend(got)
+            transaction_id += len(got)
+        return records
+
+    def read_record(self, transaction_id: int):
+        """The record of ``transaction_id``, or None if the log does not hold it."""
+        records = self.read_records(transaction_id, 1)
+        return records[0] if records else None
+
+    def read_headers(self, transaction_id: int, max_count: int) -> list:
+        """Like :meth:`read_records` but only the :class:`RecordHeader` of each (CRC-checked too)."""
+        return [record.record_header for record in self.read_records(transaction_id, max_count)]
+
+    def read_header(self, transaction_id: int):
+        """The :class:`RecordHeader` of ``transaction_id``, or None."""
+        record = self.read_record(transaction_id)
+        return record.record_header if record is not None else None
+
+    def _segment_containing(self, transaction_id: int):
+        i = bisect.bisect_right(self._segment_ids, transaction_id) - 1
+        if i < 0:
+            return None
+        first = self._segment_ids[i]
+        if self._active is not None and first == self._active.first_transaction_id:
+            return self._active
+        segment = self._cache.get(first)
+        if segment is not None:
+            self._cache.move_to_end(first)
+            return segment
+        segment = self._open_segment(first, read_only=True)
+        expected_max = self._segment_ids[i + 1] - 1
+        if segment.max_transaction_id != expected_max:
+            segment.close()
+            raise SegmentError("partition %d: segment %s ends at transaction %d but the next segment "
+                               "starts at %d" % (self.partition_id, segment.data_path,
+                                                 segment.max_transaction_id, expected_max + 1))
+        self._cache_put(segment)
+        return segment
+
+    def _cache_put(self, segment: Segment) -> None:
+        while len(self._cache) >= self.segment_cache_capacity:
+            _first, evicted = self._cache.popitem(last=False)
+            evicted.close()
+        self._cache[segment.first_transaction_id] = segment
+
+    def _open_segment(self, first: int, read_only: bool) -> Segment:
+        return Segment.open(self.directory, first, self.key, self.partition_id, read_only=read_only)
+
+    # -- closing -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Sync and close every open segment (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        segments = list(self._cache.values()) + ([self._active] if self._active is not None else [])
+        self._cache.clear()
+        self._active = None
+        errors = []
+        for segment in segments:
+            try:
+                segment.close()
+            except OSError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def delete_files(self) -> None:
+        """Close the log and remove the partition's directory with all its segments (partition removal)."""
+        self._closed = True
+        for segment in list(self._cache.values()) + ([self._active] if self._active is not None else []):
+            segment.delete_files()
+        self._cache.clear()
+        self._active = None
+        self._segment_ids = []
+        shutil.rmtree(self.directory, ignore_errors=True)
+        parent = os.path.dirname(self.directory) or "."
+        if os.path.isdir(parent):
+            fsync_directory(parent)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageClosed("partition %d's log is closed" % self.partition_id)
+
+    def __repr__(self):
+        return "<PartitionLog %d in %s, max %d, %d segments>" % (
+            self.partition_id, self.directory, self.max_transaction_id, len(self._segment_ids))
