@@ -1,0 +1,392 @@
+"""The recovery of a new store session, as a Deferred-chained state machine (seed 000).
+
+Each replica is recovered by a :class:`ReplicaRecovery` whose steps are
+chained Deferreds and whose state changes only through :meth:`_enter`
+(logged, counted in metrics, visible in :attr:`state`):
+
+``WAITING_FOR_CONNECTION`` → ``READING_SESSION_INFO`` → (``TRUNCATING_INCONSISTENT``
+| ``TRUNCATING_TO_CLOSING_HWM``) → ``VOTED`` → [the partition resolves] →
+(``TRUNCATING_DIRTY`` | ``CATCHING_UP``) → ``SETTING_LOW_WATER_MARK`` → ``RECOVERED``.
+
+* A replica whose storage disagrees with its replica state in ZooKeeper (the
+  storage's last session is not the one ZooKeeper recorded, e.g. restored from
+  a stale snapshot, or a new replica) is truncated to the storage's own local
+  low-water mark: only what it had when its last session started is trusted.
+* A replica whose closing high-water mark was already resolved by an earlier
+  recovery is truncated to it.
+* Every replica then votes with its max transaction id. The partition's
+  :class:`RecoveryManager` re-evaluates the vote (:mod:`waltz.recovery.voting`)
+  whenever a vote arrives and stays ``UNDECIDABLE`` while missing votes could
+  change the outcome.
+* Once resolved at R, each replica drops anything after R, copies what it lacks
+  up to R from a replica that holds it (batches of 20), and records R as its
+  low-water mark for the new session.
+
+Recovery completes when a quorum of the assigned replicas is recovered: the
+manager then writes the partition metadata (clean replicas join the new
+session; replicas still unresolved get the resolved closing high-water mark)
+and fires :meth:`RecoveryManager.run`'s Deferred with a :class:`RecoveryResult`.
+The other replicas go on recovering in the background; their Deferreds are in
+the result. A replica that loses its connection during recovery starts its
+steps again when it is back (its vote, a fact about durable data, stands).
+"""
+
+import enum
+
+import attr
+from twisted.internet import defer, task
+from twisted.logger import Logger
+
+from waltz.recovery.voting import quorum_of, resolve_high_water_mark
+from waltz.zk.znodes import UNRESOLVED, ReplicaState
+
+#: Records copied per request while a replica catches up.
+CATCH_UP_BATCH_SIZE = 20
+
+
+class ReplicaRecoveryState(enum.Enum):
+    WAITING_FOR_CONNECTION = "waiting-for-connection"
+    READING_SESSION_INFO = "reading-session-info"
+    TRUNCATING_INCONSISTENT = "truncating-inconsistent"
+    TRUNCATING_TO_CLOSING_HWM = "truncating-to-closing-hwm"
+    VOTED = "voted"
+    TRUNCATING_DIRTY = "truncating-dirty"
+    CATCHING_UP = "catching-up"
+    SETTING_LOW_WATER_MARK = "setting-low-water-mark"
+    RECOVERED = "recovered"
+    ABANDONED = "abandoned"
+
+
+class PartitionRecoveryState(enum.Enum):
+    VOTING = "voting"
+    UNDECIDABLE = "undecidable"
+    RESOLVED = "resolved"
+    UPDATING_METADATA = "updating-metadata"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+class RecoveryAborted(Exception):
+    """Recovery stopped: the session was closed, or another session took the partition over."""
+
+
+class SessionFenced(RecoveryAborted):
+    """The partition metadata names a newer store session than the one recovering."""
+
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class RecoveryResult:
+    """What a completed recovery established.
+
+    ``high_water_mark`` is the resolved closing high-water mark (the new
+    session starts writing after it); ``recovered`` the storages recovered
+    when the quorum was reached; ``background`` maps the other storages to
+    Deferreds that fire when they finish recovering (or fail).
+    """
+
+    high_water_mark: int
+    recovered: frozenset
+    background: dict
+
+
+class ReplicaRecovery:
+    """Recovers one replica; each step is a Deferred chained to the next."""
+
+    log = Logger()
+
+    def __init__(self, manager, replica):
+        self.manager = manager
+        self.replica = replica
+        self.storage = replica.replica_id.storage
+        self.state = None
+        self.vote = None
+        self.max_transaction_id = None
+        self.done = defer.Deferred()
+
+    def _enter(self, state):
+        previous, self.state = self.state, state
+        self.manager.transition(self, previous, state)
+
+    def start(self):
+        self._attempt()
+        return self.done
+
+    def _attempt(self):
+        if self.manager.stopped:
+            return self._abandon(RecoveryAborted("recovery of session %d stopped" % self.manager.session_id))
+        self._enter(ReplicaRecoveryState.WAITING_FOR_CONNECTION)
+        d = self.replica.when_connected()
+        for step in (self._read_session_info, self._make_consistent, self._cast_vote, self._await_resolution,
+                     self._settle_at, self._set_low_water_mark):
+            d.addCallback(self._unless_stopped, step)
+        d.addCallbacks(self._recovered, self._step_failed)
+
+    def _unless_stopped(self, result, step):
+        if self.manager.stopped:
+            raise RecoveryAborted("recovery of session %d stopped" % self.manager.session_id)
+        return step(result)
+
+    def _read_session_info(self, _):
+        self._enter(ReplicaRecoveryState.READING_SESSION_INFO)
+        return defer.gatherResults([self.replica.last_session_info(), self.replica.max_transaction_id()],
+                                   consumeErrors=True).addErrback(_first_error)
+
+    def _make_consistent(self, results):
+        (last_session_id, _lwm, local_lwm), max_id = results
+        self.max_transaction_id = max_id
+        state = self.manager.metadata.replica_state(self.replica.replica_id)
+        if state is None or state.session_id != last_session_id:
+            # ZooKeeper and the storage disagree: trust only what the storage had when its last session started.
+            self._enter(ReplicaRecoveryState.TRUNCATING_INCONSISTENT)
+            return self._truncate(local_lwm)
+        if state.is_resolved:
+            self._enter(ReplicaRecoveryState.TRUNCATING_TO_CLOSING_HWM)
+            return self._truncate(state.closing_high_water_mark)
+        return None
+
+    def _truncate(self, transaction_id):
+        if self.max_transaction_id <= transaction_id:
+            return None
+        d = self.replica.truncate(transaction_id)
+        d.addCallback(self._set_max)
+        return d
+
+    def _await_resolution(self, _):
+        return self.manager.when_resolved()
+
+    def _set_max(self, max_id):
+        self.max_transaction_id = max_id
+
+    def _cast_vote(self, _):
+        self._enter(ReplicaRecoveryState.VOTED)
+        if self.vote is None:
+            self.vote = self.max_transaction_id
+            self.manager.voted(self)
+
+    def _settle_at(self, high_water_mark):
+        if self.max_transaction_id > high_water_mark:
+            self._enter(ReplicaRecoveryState.TRUNCATING_DIRTY)
+            return self._truncate(high_water_mark)
+        if self.max_transaction_id < high_water_mark:
+            self._enter(ReplicaRecoveryState.CATCHING_UP)
+            return self._catch_up(high_water_mark)
+        return None
+
+    @defer.inlineCallbacks
+    def _catch_up(self, high_water_mark):
+        while self.max_transaction_id < high_water_mark:
+            usher = yield self.manager.usher_for(self)
+            wanted = min(CATCH_UP_BATCH_SIZE, high_water_mark - self.max_transaction_id)
+            records = yield usher.get_records(self.max_transaction_id + 1, wanted)
+            if not records:
+                raise RecoveryAborted("replica %s has no records after %d" % (usher.replica_id.storage,
+                                                                               self.max_transaction_id))
+            yield self.replica.append(tuple(records))
+            self.max_transaction_id = records[-1].transaction_id
+
+    def _set_low_water_mark(self, _):
+        self._enter(ReplicaRecoveryState.SETTING_LOW_WATER_MARK)
+        return self.replica.set_low_water_mark(self.manager.high_water_mark)
+
+    def _recovered(self, _):
+        if self.manager.stopped:
+            return self._abandon(RecoveryAborted("recovery of session %d stopped" % self.manager.session_id))
+        self._enter(ReplicaRecoveryState.RECOVERED)
+        self.manager.replica_recovered(self)
+        self.done.callback(self.storage)
+
+    def _step_failed(self, failure):
+        if failure.check(RecoveryAborted) or self.manager.stopped:
+            return self._abandon(failure)
+        self.log.info("recovery of partition {pid} on {storage} interrupted in {state}: {reason}; will retry",
+                      pid=self.manager.partition_id, storage=self.storage, state=self.state.value,
+                      reason=failure.getErrorMessage())
+        d = task.deferLater(self.manager.reactor, self.manager.retry_interval, lambda: None)
+        d.addCallback(lambda _: self._attempt())
+
+    def _abandon(self, reason):
+        self._enter(ReplicaRecoveryState.ABANDONED)
+        if not self.done.called:
+            self.done.errback(reason)
+            self.done.addErrback(lambda f: None)
+
+
+class RecoveryManager:
+    """Runs the recovery of one new store session over its replica sessions.
+
+    ``metadata`` is the partition metadata as the session was created
+    (``session_id`` is the new session's); ``replicas`` maps storage connect
+    strings to :class:`~waltz.interfaces.IReplicaSession`; ``metadata_store``
+    is an :class:`~waltz.interfaces.IPartitionMetadataStore`.
+    """
+
+    log = Logger()
+
+    def __init__(self, partition_id, metadata, replicas, metadata_store, reactor, metrics=None,
+                 retry_interval=0.5):
+        self.partition_id = partition_id
+        self.metadata = metadata
+        self.session_id = metadata.session_id
+        self.replicas = dict(replicas)
+        self.metadata_store = metadata_store
+        self.reactor = reactor
+        self.metrics = metrics
+        self.retry_interval = retry_interval
+        self.quorum = quorum_of(len(self.replicas))
+        self.state = None
+        self.stopped = False
+        self.high_water_mark = None
+        self._resolution_waiters = []
+        self.recoveries = {storage: ReplicaRecovery(self, replica) for storage, replica in sorted(self.replicas.items())}
+        self._recovered = set()
+        self._complete = defer.Deferred()
+        self._usher_waiters = []
+
+    # -- states -------------------------------------------------------------------------------
+
+    def _enter(self, state, reason=""):
+        previous, self.state = self.state, state
+        self.log.info("partition {pid} session {sid} recovery: {previous} -> {state}{reason}",
+                      pid=self.partition_id, sid=self.session_id,
+                      previous=previous.value if previous else "start", state=state.value,
+                      reason=" (%s)" % reason if reason else "")
+        if self.metrics is not None:
+            self.metrics.recovery_transition(self.partition_id, state.value)
+
+    def transition(self, recovery, previous, state):
+        """Called by a replica's recovery on each state change."""
+        self.log.debug("partition {pid} session {sid} replica {storage}: {previous} -> {state}",
+                       pid=self.partition_id, sid=self.session_id, storage=recovery.storage,
+                       previous=previous.value if previous else "start", state=state.value)
+        if self.metrics is not None:
+            self.metrics.replica_transition(self.partition_id, state.value)
+
+    def replica_states(self):
+        """Storage -> current state name, for health pages and tests."""
+        return {storage: r.state.value for storage, r in self.recoveries.items()}
+
+    # -- running ------------------------------------------------------------------------------
+
+    def run(self) -> defer.Deferred:
+        """Start every replica's recovery; fires with a :class:`RecoveryResult` at quorum."""
+        self._enter(PartitionRecoveryState.VOTING)
+        for recovery in self.recoveries.values():
+            recovery.start()
+        return self._complete
+
+    def stop(self, reason="session closed"):
+        """Abandon recovery (the session closed); replicas stop at their next step."""
+        if self.stopped:
+            return
+        self.stopped = True
+        failure = RecoveryAborted("recovery of partition %d session %d stopped: %s"
+                                  % (self.partition_id, self.session_id, reason))
+        waiters = self._usher_waiters + self._resolution_waiters
+        self._usher_waiters, self._resolution_waiters = [], []
+        for waiter in waiters:
+            waiter.errback(failure)
+        self._fail(failure)
+
+    def _fail(self, failure):
+        if not self._complete.called:
+            self._enter(PartitionRecoveryState.FAILED, str(failure))
+            self._complete.errback(failure)
+
+    def voted(self, recovery):
+        """A replica voted: decide the closing high-water mark if it is decidable now."""
+        if self.high_water_mark is not None:
+            return
+        votes = [r.vote for r in self.recoveries.values() if r.vote is not None]
+        outcome = resolve_high_water_mark(votes, len(self.replicas))
+        if not outcome.decided:
+            if self.state is not PartitionRecoveryState.UNDECIDABLE or len(votes) == 1:
+                self._enter(PartitionRecoveryState.UNDECIDABLE, outcome.reason)
+            return
+        self.high_water_mark = outcome.high_water_mark
+        self._enter(PartitionRecoveryState.RESOLVED, outcome.reason)
+        waiters, self._resolution_waiters = self._resolution_waiters, []
+        for waiter in waiters:
+            waiter.callback(self.high_water_mark)
+
+    def when_resolved(self) -> defer.Deferred:
+        """Fires with the resolved closing high-water mark (a new Deferred for each caller)."""
+        if self.high_water_mark is not None:
+            return defer.succeed(self.high_water_mark)
+        waiter = defer.Deferred()
+        self._resolution_waiters.append(waiter)
+        return waiter
+
+    def usher_for(self, recovery) -> defer.Deferred:
+        """A connected replica holding everything up to the resolved mark, to copy from."""
+        for other in self.recoveries.values():
+            if other is not recovery and other.replica.connected and other.vote is not None \
+                    and other.vote >= self.high_water_mark and other.max_transaction_id is not None \
+                    and other.max_transaction_id >= recovery.max_transaction_id + 1:
+                return defer.succeed(other.replica)
+        waiter = defer.Deferred()
+        self._usher_waiters.append(waiter)
+        # Re-check shortly: a replica holding the records may reconnect.
+        self.reactor.callLater(self.retry_interval, self._offer_ushers)
+        return waiter.addCallback(lambda _: self.usher_for(recovery))
+
+    def _offer_ushers(self):
+        waiters, self._usher_waiters = self._usher_waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
+
+    def replica_recovered(self, recovery):
+        if self.stopped:
+            return
+        self._recovered.add(recovery.storage)
+        self._offer_ushers()
+        if len(self._recovered) == self.quorum and not self._complete.called:
+            self._update_metadata()
+
+    @defer.inlineCallbacks
+    def _update_metadata(self):
+        self._enter(PartitionRecoveryState.UPDATING_METADATA)
+        written = []
+
+        def change(current):
+            # Every replica recovered by the time of this write joins; later ones recover in the background.
+            recovered = frozenset(self._recovered)
+            written.append(recovered)
+            return self._new_metadata(current, recovered)
+        try:
+            yield self.metadata_store.update(self.partition_id, change)
+        except Exception as exc:
+            self.stop("metadata update failed: %s" % exc)
+            return
+        if self._complete.called:
+            return
+        recovered = written[-1]
+        self._enter(PartitionRecoveryState.COMPLETE, "high-water mark %d, recovered %s"
+                    % (self.high_water_mark, ", ".join(sorted(recovered))))
+        background = {storage: r.done for storage, r in self.recoveries.items() if storage not in recovered}
+        self._complete.callback(RecoveryResult(self.high_water_mark, recovered, background))
+
+    def _new_metadata(self, current, recovered):
+        """Seed 000 step 6: clean replicas join the new session; unresolved ones get the closing mark."""
+        if current.session_id != self.session_id:
+            raise SessionFenced("partition %d is in session %d, not %d" % (self.partition_id, current.session_id,
+                                                                            self.session_id))
+        states = []
+        for storage, replica in sorted(self.replicas.items()):
+            replica_id = replica.replica_id
+            old = current.replica_state(replica_id)
+            if storage in recovered:
+                states.append(ReplicaState(replica_id, self.session_id, UNRESOLVED))
+            elif old is None:
+                continue  # a new replica that has not recovered yet: nothing to record
+            elif not old.is_resolved:
+                states.append(ReplicaState(replica_id, old.session_id, self.high_water_mark))
+            else:
+                states.append(old)
+        return attr.evolve(current, replica_states=tuple(states))
+
+
+def _first_error(failure):
+    """Unwrap gatherResults' FirstError so the replica step sees the real failure."""
+    if failure.check(defer.FirstError):
+        return failure.value.subFailure
+    return failure

@@ -1,0 +1,274 @@
+"""The store partition: the proxy through which a server's partition reaches its replicas.
+
+:class:`StorePartition` implements :class:`~waltz.interfaces.IStorePartition`.
+It queues appends, batches them (up to ``storage.maxBatchSize``), assigns
+their transaction ids, and hands one batch at a time to the current
+:class:`~waltz.server.store.session.StoreSession`. When a session closes it
+asks the session factory for a new one, whose recovery decides the fate of
+the batch that was in flight: ids at or below the resolved high-water mark
+were committed and are reported so; the others failed. Appends still queued
+simply go to the next session. No append is reported twice or lost.
+
+``storage.checkpointInterval``: once a session has committed that many
+transactions past its low-water mark, it is closed and a new one started.
+"""
+
+import collections
+
+import attr
+from twisted.internet import defer, task
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from waltz.interfaces import IStorePartition
+from waltz.protocols.values import Record
+from waltz.server.store.session import SessionClosed, SessionState
+
+
+class AppendFailed(Exception):
+    """The append is known not to be committed; the client may retry it."""
+
+
+class AppendFateUnknown(Exception):
+    """The partition closed before the append's fate was known; the client learns it from the feed."""
+
+
+class PartitionNotOwned(Exception):
+    """Another server owns the partition now (a newer generation started a session)."""
+
+
+@attr.s(slots=True)
+class PendingAppend:
+    req_id = attr.ib()
+    header = attr.ib()
+    data = attr.ib()
+    checksum = attr.ib()
+    deferred = attr.ib(factory=defer.Deferred)
+    transaction_id = attr.ib(default=None)
+
+    def record(self):
+        return Record(self.transaction_id, self.req_id, self.header, self.data, self.checksum)
+
+
+@implementer(IStorePartition)
+class StorePartition:
+    """A replicated partition: appends, reads and the high-water mark across store sessions.
+
+    ``session_factory(partition_id, generation, on_close)`` fires with a new,
+    not yet started :class:`StoreSession`.
+    """
+
+    log = Logger()
+
+    def __init__(self, partition_id, generation, session_factory, reactor, max_batch_size=100,
+                 checkpoint_interval=250_000, retry_interval=0.5):
+        self.partition_id = partition_id
+        self.generation = generation
+        self._session_factory = session_factory
+        self.reactor = reactor
+        self.max_batch_size = max_batch_size
+        self.checkpoint_interval = checkpoint_interval
+        self.retry_interval = retry_interval
+        self.high_water_mark = -1
+        self.session = None
+        self.closed = False
+        self.lost = None
+        self._queue = collections.deque()
+        self._in_flight = None        # the batch handed to the session
+        self._unsettled = []          # batches whose session died before they committed
+        self._listeners = []
+        self._flush_waiters = []
+        self._opening = None
+        self.sessions_started = 0
+
+    # -- IStorePartition ---------------------------------------------------------------------
+
+    @property
+    def healthy(self):
+        return self.session is not None and self.session.state is SessionState.WRITING and not self.closed
+
+    def append(self, req_id, header, data, checksum):
+        if self.closed or self.lost:
+            return defer.fail(AppendFailed("partition %d is closed: %s" % (self.partition_id,
+                                                                          self.lost or "closed")))
+        pending = PendingAppend(req_id, header, bytes(data), checksum)
+        self._queue.append(pending)
+        self._pump()
+        return pending.deferred
+
+    def flush(self):
+        if not self._queue and self._in_flight is None and not self._unsettled:
+            return defer.succeed(self.high_water_mark)
+        waiter = defer.Deferred()
+        self._flush_waiters.append(waiter)
+        return waiter
+
+    def add_listener(self, listener):
+        self._listeners.append(listener)
+
+    def get_records(self, transaction_id, max_records):
+        return self._read("get_records", transaction_id, max_records)
+
+    def get_headers(self, transaction_id, max_records):
+        return self._read("get_headers", transaction_id, max_records)
+
+    def get_record(self, transaction_id):
+        d = self.get_records(transaction_id, 1)
+        return d.addCallback(lambda records: records[0] if records else None)
+
+    def _read(self, method, transaction_id, max_records):
+        count = min(max_records, self.high_water_mark - transaction_id + 1)
+        if count <= 0 or transaction_id < 0:
+            return defer.succeed(())
+        replica = self.session.reader() if self.session is not None else None
+        if replica is None:
+            return defer.fail(AppendFailed("partition %d has no readable replica right now" % self.partition_id))
+        return getattr(replica, method)(transaction_id, count).addCallback(tuple)
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def open(self):
+        """Start the first store session; fires once it is writing (or keeps retrying)."""
+        return self._start_session()
+
+    def _start_session(self):
+        if self.closed or self.lost or self._opening is not None:
+            return self._opening
+        self._opening = d = self._session_factory(self.partition_id, self.generation, self._session_closed)
+        d.addCallback(self._session_created)
+        d.addErrback(self._session_failed)
+        d.addBoth(self._opened)
+        return d
+
+    def _opened(self, result):
+        self._opening = None
+        return result
+
+    def _session_created(self, session):
+        if self.closed:
+            session.close("store partition closed")
+            return None
+        self.session = session
+        self.sessions_started += 1
+        return session.start().addCallback(self._session_recovered, session)
+
+    def _session_recovered(self, result, session):
+        if session is not self.session or session.state is not SessionState.WRITING:
+            return None
+        self._settle(result.high_water_mark)
+        self.high_water_mark = max(self.high_water_mark, result.high_water_mark)
+        self._notify()
+        self._pump()
+        return None
+
+    def _session_failed(self, failure):
+        from waltz.zk.errors import GenerationMismatchError
+        if failure.check(GenerationMismatchError):
+            self._lose("generation %d is stale: %s" % (self.generation, failure.getErrorMessage()))
+            return None
+        if not self.closed:
+            self.log.warn("partition {pid}: store session could not start: {reason}; retrying",
+                          pid=self.partition_id, reason=failure.getErrorMessage())
+            task.deferLater(self.reactor, self.retry_interval, self._start_session)
+        return None
+
+    def _session_closed(self, session, reason):
+        if session is not self.session:
+            return
+        self.session = None
+        if self._in_flight is not None:
+            self._unsettled.append(self._in_flight)
+            self._in_flight = None
+        if not self.closed and not self.lost:
+            self.reactor.callLater(0, self._start_session)
+
+    def _settle(self, high_water_mark):
+        """Decide the batches whose session died: committed up to ``high_water_mark``, failed above."""
+        unsettled, self._unsettled = self._unsettled, []
+        for batch in unsettled:
+            for pending in batch:
+                if pending.transaction_id <= high_water_mark:
+                    pending.deferred.callback(pending.transaction_id)
+                else:
+                    pending.deferred.errback(AppendFailed(
+                        "transaction %d of partition %d was not committed (resolved high-water mark %d)"
+                        % (pending.transaction_id, self.partition_id, high_water_mark)))
+
+    def _lose(self, reason):
+        self.lost = reason
+        self.log.warn("partition {pid} lost: {reason}", pid=self.partition_id, reason=reason)
+        self._fail_everything(PartitionNotOwned(reason))
+
+    # -- the write path ----------------------------------------------------------------------
+
+    def _pump(self):
+        session = self.session
+        if self._in_flight is not None or not self._queue or session is None or not session.writable:
+            self._check_flush()
+            return
+        batch = []
+        next_id = self.high_water_mark + 1
+        while self._queue and len(batch) < self.max_batch_size:
+            pending = self._queue.popleft()
+            pending.transaction_id = next_id
+            next_id += 1
+            batch.append(pending)
+        self._in_flight = batch
+        d = session.write([p.record() for p in batch])
+        d.addCallbacks(self._committed, self._write_failed, callbackArgs=(batch, session),
+                       errbackArgs=(batch,))
+
+    def _committed(self, last_id, batch, session):
+        if batch is not self._in_flight:
+            return
+        self._in_flight = None
+        self.high_water_mark = last_id
+        for pending in batch:
+            pending.deferred.callback(pending.transaction_id)
+        self._notify()
+        if session is self.session and self.high_water_mark - session.low_water_mark >= self.checkpoint_interval:
+            session.close("checkpoint: %d transactions since the low-water mark %d"
+                          % (self.high_water_mark - session.low_water_mark, session.low_water_mark))
+        self._pump()
+
+    def _write_failed(self, failure, batch):
+        failure.trap(SessionClosed)
+        # The session is closing; _session_closed moves the batch to the unsettled ones.
+
+    def _notify(self):
+        for listener in list(self._listeners):
+            listener(self.high_water_mark)
+        self._check_flush()
+
+    def _check_flush(self):
+        if self._flush_waiters and not self._queue and self._in_flight is None and not self._unsettled:
+            waiters, self._flush_waiters = self._flush_waiters, []
+            for waiter in waiters:
+                waiter.callback(self.high_water_mark)
+
+    # -- closing -----------------------------------------------------------------------------
+
+    def close(self):
+        """Close the session; queued and unsettled appends fail."""
+        if self.closed:
+            return defer.succeed(None)
+        self.closed = True
+        if self.session is not None:
+            self.session.close("store partition closed")
+        self._fail_everything(AppendFailed("partition %d closed" % self.partition_id))
+        return defer.succeed(None)
+
+    def _fail_everything(self, error):
+        """Queued appends fail with ``error``; those sent but unsettled end with :class:`AppendFateUnknown`."""
+        queued = list(self._queue)
+        self._queue.clear()
+        sent = [p for batch in self._unsettled + ([self._in_flight] if self._in_flight else []) for p in batch]
+        self._unsettled, self._in_flight = [], None
+        unknown = AppendFateUnknown("partition %d: %s; the fate of the append is decided by the next owner"
+                                    % (self.partition_id, error))
+        for item, outcome in [(p, error) for p in queued] + [(p, unknown) for p in sent]:
+            if not item.deferred.called:
+                item.deferred.errback(outcome)
+        waiters, self._flush_waiters = self._flush_waiters, []
+        for waiter in waiters:
+            waiter.errback(error)
