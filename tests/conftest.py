@@ -1,0 +1,75 @@
+"""Fixtures shared by the whole test suite.
+
+Sections (add new ones at the end, each with its own heading):
+
+* ZooKeeper: one real server for the session, a fresh cluster root per test,
+  a connected :class:`~waltz.zk.bridge.ZooKeeperClient` and a created cluster for
+  pytest-twisted tests, and a private server for tests that stop or kill it.
+
+Tests that need ZooKeeper *fail* (a fixture error naming the Debian package),
+never skip, when it is not installed.
+"""
+
+import re
+import uuid
+
+import pytest
+import pytest_twisted
+
+from waltz.local.zookeeper import LocalZooKeeper
+from waltz.zk.bridge import ZooKeeperClient
+from waltz.zk.metadata import ClusterMetadata
+
+# --- ZooKeeper ---------------------------------------------------------------------------------
+
+#: Partitions of the cluster the ``cluster_metadata`` fixture creates.
+TEST_PARTITIONS = 4
+
+
+@pytest.fixture(scope="session")
+def zookeeper(tmp_path_factory):
+    """A real ZooKeeper on a free 127.0.0.1 port, shared by the session; never stop or kill it
+    in a test (use ``private_zookeeper``)."""
+    server = LocalZooKeeper(tmp_path_factory.mktemp("zookeeper"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def private_zookeeper(tmp_path):
+    """A ZooKeeper of this test's own, which the test may stop, kill and restart."""
+    server = LocalZooKeeper(tmp_path / "zookeeper")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def cluster_root(request):
+    """A cluster root path no other test uses, e.g. ``/waltz_test/test_create-1a2b3c4d``."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name)[:80]
+    return "/waltz_test/%s-%s" % (name, uuid.uuid4().hex[:8])
+
+
+def zk_client_for(server, **kwargs):
+    """An unconnected :class:`ZooKeeperClient` for ``server`` with short test timeouts."""
+    kwargs.setdefault("session_timeout_ms", 10000)
+    kwargs.setdefault("connect_timeout_ms", 5000)
+    return ZooKeeperClient(server.connect_string, **kwargs)
+
+
+@pytest_twisted.async_yield_fixture
+async def zk_client(zookeeper):
+    """A connected :class:`ZooKeeperClient` on the session's ZooKeeper (closed afterwards)."""
+    client = zk_client_for(zookeeper)
+    await client.connect()
+    yield client
+    await client.close()
+
+
+@pytest_twisted.async_fixture
+async def cluster_metadata(zk_client, cluster_root):
+    """A :class:`ClusterMetadata` for a freshly created cluster ("test", TEST_PARTITIONS partitions)."""
+    metadata = ClusterMetadata(zk_client, cluster_root)
+    await metadata.create_cluster("test", TEST_PARTITIONS)
+    return metadata

@@ -1,0 +1,190 @@
+"""The kazoo bridge against a real ZooKeeper: Deferreds, errors, watches and session events
+all on the reactor thread."""
+
+import pytest
+import pytest_twisted
+from kazoo.client import KazooClient
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, NotEmptyError
+from twisted.internet import defer, reactor
+from twisted.python import threadable
+
+from tests.conftest import zk_client_for
+from waltz.local.zookeeper import free_port
+from waltz.zk.bridge import SessionState, ZooKeeperClient
+from waltz.zk.errors import ZooKeeperConnectError
+
+
+def on_reactor_thread(value=None):
+    """A callback that records whether it ran on the reactor thread."""
+    threads = []
+
+    def callback(*args):
+        threads.append(threadable.isInIOThread())
+        return args[0] if args else value
+    callback.threads = threads
+    return callback
+
+
+class Recorder:
+    """Collects callback arguments and fires Deferreds when a given number have arrived."""
+
+    def __init__(self):
+        self.calls = []
+        self.threads = []
+        self._waiting = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        self.threads.append(threadable.isInIOThread())
+        ready = [(test, d) for test, d in self._waiting if test(self.calls)]
+        self._waiting = [(test, d) for test, d in self._waiting if not test(self.calls)]
+        for _, d in ready:
+            d.callback(list(self.calls))
+
+    def wait_until(self, test, timeout=5):
+        """Fires with the calls once ``test(calls)`` is true."""
+        if test(self.calls):
+            return defer.succeed(list(self.calls))
+        d = defer.Deferred()
+        self._waiting.append((test, d))
+        return d.addTimeout(timeout, reactor)
+
+    def wait_for(self, count, timeout=5):
+        """Fires with the calls once there are ``count`` of them."""
+        return self.wait_until(lambda calls: len(calls) >= count, timeout)
+
+
+@pytest_twisted.ensureDeferred
+async def test_crud_results_fire_on_the_reactor_thread(zk_client, cluster_root):
+    check = on_reactor_thread()
+    path = await zk_client.create(cluster_root + "/node", b"one", makepath=True).addCallback(check)
+    assert path == cluster_root + "/node"
+    data, stat = await zk_client.get(path).addCallback(check)
+    assert data == b"one" and stat.version == 0
+    stat = await zk_client.set(path, b"two", version=0).addCallback(check)
+    assert stat.version == 1
+    assert (await zk_client.exists(path).addCallback(check)).version == 1
+    assert await zk_client.get_children(cluster_root).addCallback(check) == ["node"]
+    await zk_client.delete(path).addCallback(check)
+    assert await zk_client.exists(path).addCallback(check) is None
+    assert check.threads == [True] * 7
+
+
+@pytest_twisted.ensureDeferred
+async def test_kazoo_errors_are_the_deferreds_failures(zk_client, cluster_root):
+    await zk_client.create(cluster_root + "/a/b", makepath=True)
+    with pytest.raises(NoNodeError):
+        await zk_client.get(cluster_root + "/missing")
+    with pytest.raises(NodeExistsError):
+        await zk_client.create(cluster_root + "/a")
+    with pytest.raises(BadVersionError):
+        await zk_client.set(cluster_root + "/a", b"x", version=5)
+    with pytest.raises(NotEmptyError):
+        await zk_client.delete(cluster_root + "/a")
+    await zk_client.delete(cluster_root + "/a", recursive=True)
+    assert await zk_client.exists(cluster_root + "/a") is None
+
+
+@pytest_twisted.ensureDeferred
+async def test_bad_arguments_fail_the_deferred_instead_of_raising(zk_client):
+    d = zk_client.create(42)
+    with pytest.raises(TypeError):
+        await d
+
+
+@pytest_twisted.ensureDeferred
+async def test_one_shot_watches_fire_on_the_reactor_thread(zk_client, zookeeper, cluster_root):
+    path = await zk_client.create(cluster_root + "/watched", b"0", makepath=True)
+    data_watch, child_watch = Recorder(), Recorder()
+    await zk_client.get(path, watch=data_watch)
+    await zk_client.get_children(cluster_root, watch=child_watch)
+    other = zk_client_for(zookeeper)
+    await other.connect()
+    try:
+        await other.set(path, b"1")
+        await other.create(cluster_root + "/sibling")
+        (event,), = await data_watch.wait_for(1)
+        (child_event,), = await child_watch.wait_for(1)
+    finally:
+        await other.close()
+    assert (event.type, event.path) == ("CHANGED", path)
+    assert child_event.type == "CHILD"
+    assert data_watch.threads == child_watch.threads == [True]
+
+
+@pytest_twisted.ensureDeferred
+async def test_persistent_watches_follow_every_change_until_cancelled(zk_client, cluster_root):
+    path = cluster_root + "/data"
+    await zk_client.ensure_path(cluster_root)
+    data, children = Recorder(), Recorder()
+    data_handle = await zk_client.watch_data(path, data)
+    children_handle = await zk_client.watch_children(cluster_root, children)
+    assert data.calls == [(None, None)] and children.calls == [([],)]
+    await zk_client.create(path, b"a")
+    await zk_client.set(path, b"b")
+    calls = await data.wait_for(3)
+    assert [value for value, _stat in calls] == [None, b"a", b"b"]
+    assert (await children.wait_for(2))[-1] == (["data"],)
+    data_handle.cancel()
+    children_handle.cancel()
+    # Watches set after the cancelled ones see the same events after them, in kazoo's order.
+    later_data, later_children = Recorder(), Recorder()
+    await zk_client.watch_data(path, later_data)
+    await zk_client.watch_children(cluster_root, later_children)
+    await zk_client.set(path, b"c")
+    await zk_client.create(cluster_root + "/more")
+    await later_data.wait_until(lambda calls: calls[-1][0] == b"c")
+    await later_children.wait_until(lambda calls: calls[-1] == (["data", "more"],))
+    assert len(data.calls) == 3 and len(children.calls) == 2
+    assert all(data.threads + children.threads)
+
+
+@pytest_twisted.ensureDeferred
+async def test_transactions_are_atomic(zk_client, cluster_root):
+    await zk_client.ensure_path(cluster_root)
+    results = await zk_client.transaction().create(cluster_root + "/x", b"1").create(
+        cluster_root + "/y", b"2").commit()
+    assert results == [cluster_root + "/x", cluster_root + "/y"]
+    txn = zk_client.transaction().set_data(cluster_root + "/x", b"changed").check(cluster_root + "/y", 7)
+    with pytest.raises(BadVersionError):
+        await txn.commit()
+    assert (await zk_client.get(cluster_root + "/x"))[0] == b"1"
+
+
+@pytest_twisted.ensureDeferred
+async def test_connect_to_nothing_fails_with_a_clear_error():
+    client = ZooKeeperClient("127.0.0.1:%d" % free_port(), connect_timeout_ms=300)
+    with pytest.raises(ZooKeeperConnectError, match="cannot connect to ZooKeeper at 127.0.0.1:.* within 300 ms"):
+        await client.connect()
+    await client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_session_events_reach_listeners_on_the_reactor_thread(zookeeper, cluster_root):
+    states = Recorder()
+    client = zk_client_for(zookeeper)
+    client.add_state_listener(states)
+    await client.connect()
+    await states.wait_for(1)
+    old_session = client.session_id
+    # Expire the session from outside: another client attaches to it and closes it.
+    session_id, password = client.kazoo.client_id
+
+    def expire():
+        thief = KazooClient(hosts=zookeeper.connect_string, client_id=(session_id, password))
+        thief.start(5)
+        thief.stop()
+        thief.close()
+    await client.run_blocking(lambda _kazoo: expire())
+    # kazoo reports the expiry, then reconnects with a new session.
+    calls = await states.wait_until(
+        lambda calls: (SessionState.EXPIRED,) in calls and calls[-1] == (SessionState.CONNECTED,))
+    states_seen = [state for (state,) in calls]
+    assert states_seen[0] == SessionState.CONNECTED
+    assert SessionState.EXPIRED in states_seen
+    assert states_seen[-1] == SessionState.CONNECTED
+    assert client.session_id != old_session
+    await client.close()
+    calls = await states.wait_for(len(calls) + 1)
+    assert calls[-1] == (SessionState.LOST,)  # closed, not expired
+    assert all(states.threads)

@@ -1,0 +1,277 @@
+"""``waltz cluster``: create, inspect and edit a Waltz cluster's metadata in ZooKeeper.
+
+Every subcommand connects with --zookeeper HOST:PORT[,...] and --root /PATH,
+or -c FILE holding zookeeper.connectString and cluster.root (flags override
+the file). Storage edits (add-storage,
+remove-storage, assign, unassign, auto-assign) hold the cluster's admin lock
+and write the store znodes in one multi-op; refusals are one line on stderr
+with a non-zero exit status.
+
+The helpers :func:`add_connection_options`, :func:`connection_config` and
+:func:`run_with_cluster` are shared with other ``waltz`` subcommands that need
+the cluster metadata.
+"""
+
+import argparse
+import logging
+
+from kazoo.exceptions import KazooException
+from twisted.internet import defer, task
+from twisted.python.failure import Failure
+
+from waltz.cli.common import CliError, parse_partition_list
+from waltz.config import ZOOKEEPER_KEYS, build_config, flatten, read_yaml
+from waltz.zk.bridge import ZooKeeperClient
+from waltz.zk.errors import ZooKeeperLayerError
+from waltz.zk.metadata import ClusterMetadata
+from waltz.zk.topology import format_ids
+from waltz.zk.znodes import UNRESOLVED
+
+#: Keys a ``-c`` file may hold besides the ZooKeeper ones, so a daemon's config file works too.
+OPEN_PREFIXES = ("ssl.", "server.", "storage.", "client.", "cluster.")
+
+_FLAG_KEYS = (
+    ("zookeeper", "zookeeper.connectString"),
+    ("root", "cluster.root"),
+    ("connect_timeout", "zookeeper.connectTimeout"),
+)
+
+
+# --- connection plumbing (shared) ---------------------------------------------------------------
+
+
+def add_connection_options(parser):
+    """Add ``-c``, ``--zookeeper``, ``--root`` and ``--connect-timeout`` to ``parser``."""
+    group = parser.add_argument_group("cluster connection")
+    group.add_argument("-c", "--config", metavar="FILE",
+                       help="YAML file with zookeeper.connectString and cluster.root")
+    group.add_argument("--zookeeper", metavar="HOST:PORT[,...]", help="ZooKeeper connect string")
+    group.add_argument("--root", metavar="/PATH", help="the cluster's root znode, e.g. /waltz_cluster")
+    group.add_argument("--connect-timeout", metavar="MS", type=int,
+                       help="give up connecting to ZooKeeper after MS milliseconds (default 10000)")
+
+
+def connection_config(args):
+    """The validated ZooKeeper :class:`~waltz.config.Config` from ``-c`` and the flags."""
+    values = flatten(read_yaml(args.config)) if args.config else {}
+    values.update({key: getattr(args, flag) for flag, key in _FLAG_KEYS if getattr(args, flag) is not None})
+    for flag, key in _FLAG_KEYS[:2]:
+        if values.get(key) is None:
+            raise CliError("no %s given: use --%s or -c FILE with %s" % (key, flag, key))
+    return build_config(values, ZOOKEEPER_KEYS, open_prefixes=OPEN_PREFIXES)
+
+
+def run_reactor(function, *args):
+    """Run ``function(reactor, *args)`` (returning a Deferred) under ``task.react`` and return
+    its result here, or raise its exception here (so :mod:`waltz.cli.main` reports it)."""
+    outcome = []
+
+    def body(reactor):
+        d = defer.maybeDeferred(function, reactor, *args)
+        return d.addBoth(outcome.append)
+
+    try:
+        task.react(body)
+    except SystemExit:
+        pass
+    if not outcome:
+        raise KeyboardInterrupt()
+    if isinstance(outcome[0], Failure):
+        outcome[0].raiseException()
+    return outcome[0]
+
+
+def _quiet_kazoo():
+    # Kazoo logs every failed connection attempt through the logging module's last-resort
+    # handler (stderr); the command reports failures itself, in one line.
+    logger = logging.getLogger("kazoo")
+    logger.addHandler(logging.NullHandler())
+    logger.propagate = False
+
+
+def run_with_cluster(args, action):
+    """Connect as ``args`` say, call ``action(metadata)`` (may return a Deferred) with a
+    :class:`ClusterMetadata`, close, and return the action's result; ZooKeeper-layer and
+    kazoo errors become :class:`CliError`."""
+    config = connection_config(args)
+    _quiet_kazoo()
+
+    @defer.inlineCallbacks
+    def session(reactor):
+        zk = ZooKeeperClient.from_config(config, reactor=reactor)
+        yield zk.connect()
+        try:
+            result = yield action(ClusterMetadata(zk, config["cluster.root"], reactor=reactor))
+        finally:
+            yield zk.close()
+        return result
+
+    try:
+        return run_reactor(session)
+    except ZooKeeperLayerError as exc:
+        raise CliError(str(exc)) from None
+    except KazooException as exc:
+        raise CliError("ZooKeeper request failed: %s %s" % (type(exc).__name__, exc)) from None
+
+
+# --- subcommands -----------------------------------------------------------------------------------
+
+
+@defer.inlineCallbacks
+def _create(metadata, args):
+    store = yield metadata.create_cluster(args.name, args.partitions)
+    print("created cluster %r at %s with %d partitions (cluster key %s)"
+          % (args.name, metadata.paths.root, store.num_partitions, store.key))
+
+
+@defer.inlineCallbacks
+def _show(metadata, args):
+    description = yield metadata.describe()
+    print("\n".join(format_description(description)))
+
+
+@defer.inlineCallbacks
+def _delete(metadata, args):
+    yield metadata.delete_cluster(force=args.force)
+    print("deleted cluster %s" % metadata.paths.root)
+
+
+def _topology_edit(describe_change, edit):
+    """A subcommand that applies ``edit(topology, store_params, args)`` under the admin lock."""
+    @defer.inlineCallbacks
+    def run(metadata, args):
+        yield metadata.edit_topology(lambda topology, store: edit(topology, store, args),
+                                     lock_timeout=args.lock_timeout)
+        print(describe_change(args))
+    return run
+
+
+def _partitions(args, store):
+    return parse_partition_list(args.partitions, store.num_partitions)
+
+
+_add_storage = _topology_edit(
+    lambda a: "added storage node %s (admin port %d) to group %d" % (a.storage, a.admin_port, a.group),
+    lambda t, s, a: t.add_storage(a.storage, a.admin_port, a.group))
+_remove_storage = _topology_edit(
+    lambda a: "removed storage node %s" % a.storage,
+    lambda t, s, a: t.remove_storage(a.storage))
+_assign = _topology_edit(
+    lambda a: "assigned partitions %s to %s" % (a.partitions, a.storage),
+    lambda t, s, a: t.assign(a.storage, _partitions(a, s), s.num_partitions))
+_unassign = _topology_edit(
+    lambda a: "unassigned partitions %s from %s" % (a.partitions, a.storage),
+    lambda t, s, a: t.unassign(a.storage, _partitions(a, s)))
+_auto_assign = _topology_edit(
+    lambda a: "assigned every partition to group %d, round-robin" % a.group,
+    lambda t, s, a: t.auto_assign(a.group, s.num_partitions))
+
+
+# --- output -----------------------------------------------------------------------------------------
+
+
+def _hwm(value):
+    return "UNRESOLVED" if value == UNRESOLVED else str(value)
+
+
+def format_description(d):
+    """The lines ``waltz cluster show`` prints for a :class:`~waltz.zk.metadata.ClusterDescription`."""
+    topology = d.topology
+    lines = [
+        "cluster %s" % d.root,
+        "  name: %s" % d.params.name,
+        "  partitions: %d" % d.params.num_partitions,
+        "  cluster key: %s" % d.store.key,
+        "storage nodes (%d):" % len(topology.storages()),
+    ]
+    for storage in topology.storages():
+        lines.append("  %s  group %s  admin port %s  partitions %s" % (
+            storage, topology.groups.get(storage, "?"), topology.connections.get(storage, "?"),
+            format_ids(topology.partitions_of(storage))))
+    lines.append("partitions without a replica: %s" % format_ids(topology.unreplicated(d.store.num_partitions)))
+    lines.append("servers (%d live):" % len(d.servers))
+    lines.extend("  %s  server %d at %s  preferred partitions %s"
+                 % (name, s.server_id, s.endpoint, format_ids(s.preferred_partitions)) for name, s in d.servers)
+    lines.append("server partition assignment (cversion %d):" % d.assignment.cversion)
+    lines.extend("  server %d: %s" % (server_id, ", ".join(
+        "%d (generation %d)" % (p.partition_id, p.generation) for p in partitions) or "-")
+        for server_id, partitions in d.assignment.servers)
+    lines.append("partition metadata:")
+    for pid, meta in d.partitions:
+        if meta is None:
+            lines.append("  %d: (no znode yet)" % pid)
+            continue
+        lines.append("  %d: generation %d, store session %d" % (pid, meta.generation, meta.session_id))
+        lines.extend("      replica %s  session %d  closing high-water mark %s"
+                     % (s.replica_id.storage, s.session_id, _hwm(s.closing_high_water_mark))
+                     for s in meta.replica_states)
+    return lines
+
+
+# --- parser ---------------------------------------------------------------------------------------------
+
+
+def _int_at_least(minimum, what):
+    """An argparse type: an integer >= ``minimum``."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError("expected a %s integer, got %r" % (what, text))
+        return value
+    return parse
+
+
+_positive_int = _int_at_least(1, "positive")
+_non_negative_int = _int_at_least(0, "non-negative")
+
+
+def _options(*specs, edit=False):
+    """Argument adders: each spec is ``(flags, kwargs)`` of a required option; ``edit`` adds
+    ``--lock-timeout`` for the subcommands that take the admin lock."""
+    def add(parser):
+        for flags, kwargs in specs:
+            parser.add_argument(*flags, required=True, **kwargs)
+        if edit:
+            parser.add_argument("--lock-timeout", type=float, default=30.0, metavar="S",
+                                help="give up after S seconds if another admin holds the lock "
+                                     "(default %(default)s)")
+    return add
+
+
+_STORAGE = (("--storage", "-s"), dict(metavar="HOST:PORT", help="the storage node's connect string"))
+_PARTITIONS = (("--partitions", "-p"), dict(metavar="LIST", help="partition ids, e.g. 0-3,7"))
+_GROUP = (("--group", "-g"), dict(type=_non_negative_int, metavar="G", help="storage group id"))
+
+SUBCOMMANDS = (
+    ("create", "create the cluster's znodes", _create, _options(
+        (("--name", "-n"), dict(help="the cluster's name")),
+        (("--partitions", "-p"), dict(type=_positive_int, metavar="P", help="number of partitions")))),
+    ("show", "print the cluster's metadata", _show, _options()),
+    ("delete", "delete the cluster's znodes (refused while servers are registered)", _delete,
+     lambda parser: parser.add_argument("--force", "-f", action="store_true",
+                                        help="delete even while servers are registered")),
+    ("add-storage", "add a storage node to a group", _add_storage, _options(
+        _STORAGE, (("--admin-port", "-a"), dict(type=_positive_int, metavar="PORT",
+                                                 help="the storage node's admin port")), _GROUP, edit=True)),
+    ("remove-storage", "remove a storage node holding no partitions", _remove_storage, _options(_STORAGE, edit=True)),
+    ("assign", "assign partitions to a storage node", _assign, _options(_STORAGE, _PARTITIONS, edit=True)),
+    ("unassign", "unassign partitions from a storage node", _unassign, _options(_STORAGE, _PARTITIONS, edit=True)),
+    ("auto-assign", "spread all partitions round-robin over a group's storage nodes", _auto_assign,
+     _options(_GROUP, edit=True)),
+)
+
+
+def register(subparsers):
+    """Add ``waltz cluster`` and its subcommands."""
+    parser = subparsers.add_parser("cluster", help="create, inspect and edit cluster metadata in ZooKeeper",
+                                   description=__doc__.split("\n\n")[1])
+    commands = parser.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND")
+    commands.required = True
+    for name, text, action, add_arguments in SUBCOMMANDS:
+        sub = commands.add_parser(name, help=text, description=text)
+        add_arguments(sub)
+        add_connection_options(sub)
+        sub.set_defaults(func=lambda args, action=action: run_with_cluster(args, lambda m: action(m, args)) or 0)

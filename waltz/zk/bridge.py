@@ -1,0 +1,304 @@
+"""Kazoo behind Deferreds: every result, watch and session event arrives on the reactor thread.
+
+Kazoo runs its own threads (a connection thread and a callback thread). Each
+operation here calls the matching ``*_async`` kazoo method, ``rawlink``\\ s the
+kazoo async result, and hands the outcome to the reactor with
+``reactor.callFromThread``, so callers only ever see ordinary Deferreds fired on
+the reactor thread. Watch functions and session-state listeners are
+re-dispatched the same way. Blocking kazoo calls (``start``, ``stop``,
+recursive delete, recipes) run through the reactor's thread pool.
+
+Kazoo's exceptions (``NoNodeError``, ``NodeExistsError``, ``BadVersionError``,
+``NotEmptyError``, ``ConnectionLoss``, ``SessionExpiredError``...) are the
+Deferreds' failures, unchanged; only a failed connect is reported as
+:class:`~waltz.zk.errors.ZooKeeperConnectError`.
+
+After a session expires kazoo reconnects with a *new* session: listeners see
+``EXPIRED`` and then ``CONNECTED`` again, and whoever owns ephemeral znodes must
+create them again.
+"""
+
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import RolledBackError
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.states import KeeperState
+from twisted.internet import defer, threads
+from twisted.logger import Logger
+
+from waltz.zk.errors import ZooKeeperConnectError
+
+
+class SessionState:
+    """The session states reported to :meth:`ZooKeeperClient.add_state_listener` callbacks."""
+
+    CONNECTED = KazooState.CONNECTED   # connected (first time, after a reconnect, or with a new session)
+    SUSPENDED = KazooState.SUSPENDED   # connection lost; the session may still be alive
+    LOST = KazooState.LOST             # the session is gone because the client was closed
+    EXPIRED = "EXPIRED"                # the server expired the session; ephemeral znodes are gone
+
+
+def _first_error(results):
+    """The real failure in a kazoo multi-op result list (the others are RolledBackError)."""
+    errors = [r for r in results if isinstance(r, Exception)]
+    real = [e for e in errors if not isinstance(e, RolledBackError)]
+    return (real or errors or [None])[0]
+
+
+class Transaction:
+    """A ZooKeeper multi-op: add operations, then :meth:`commit` them atomically."""
+
+    def __init__(self, client, kazoo_transaction):
+        self._client = client
+        self._txn = kazoo_transaction
+
+    def create(self, path, value=b"", ephemeral=False, sequence=False):
+        self._txn.create(path, value, ephemeral=ephemeral, sequence=sequence)
+        return self
+
+    def set_data(self, path, value, version=-1):
+        self._txn.set_data(path, value, version)
+        return self
+
+    def delete(self, path, version=-1):
+        self._txn.delete(path, version)
+        return self
+
+    def check(self, path, version):
+        self._txn.check(path, version)
+        return self
+
+    def __len__(self):
+        return len(self._txn.operations)
+
+    def commit(self):
+        """Deferred firing with the per-operation results, or failing with the first real error."""
+        def check(results):
+            error = _first_error(results)
+            if error is not None:
+                raise error
+            return results
+        return self._client._bridge(self._txn.commit_async).addCallback(check)
+
+
+class WatchHandle:
+    """Returned by the ``watch_*`` methods; :meth:`cancel` stops further callbacks."""
+
+    def __init__(self):
+        self.cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class ZooKeeperClient:
+    """One ZooKeeper session, with a Deferred API.
+
+    ``connect_string`` is ``host:port[,host:port...][/chroot]``; timeouts are in
+    milliseconds. ``reactor`` defaults to the global one; ``kazoo_client`` may
+    be given instead of being built from the connect string (tests).
+    """
+
+    log = Logger()
+
+    def __init__(self, connect_string, session_timeout_ms=30000, connect_timeout_ms=10000,
+                 reactor=None, kazoo_client=None):
+        if reactor is None:
+            from twisted.internet import reactor
+        self._reactor = reactor
+        self.connect_string = connect_string
+        self.connect_timeout_ms = connect_timeout_ms
+        self._kazoo = kazoo_client or KazooClient(
+            hosts=connect_string, timeout=session_timeout_ms / 1000.0,
+            connection_retry={"max_tries": -1, "max_delay": 1.0},
+            command_retry=None)
+        self._listeners = []
+        self._kazoo.add_listener(self._on_kazoo_state)
+
+    @classmethod
+    def from_config(cls, config, reactor=None):
+        """A client for a :class:`waltz.config.Config` holding the ``zookeeper.*`` keys."""
+        return cls(config["zookeeper.connectString"], config["zookeeper.sessionTimeout"],
+                   config["zookeeper.connectTimeout"], reactor=reactor)
+
+    # --- session -----------------------------------------------------------------------------
+
+    @property
+    def kazoo(self):
+        """The underlying ``KazooClient`` (for ``client_id`` and the like; never call it blocking
+        on the reactor thread)."""
+        return self._kazoo
+
+    @property
+    def connected(self):
+        return self._kazoo.connected
+
+    @property
+    def session_id(self):
+        """The current session id, or ``None`` before the first connect."""
+        client_id = self._kazoo.client_id
+        return client_id[0] if client_id else None
+
+    def connect(self):
+        """Connect; fires with ``self``, or fails with :class:`ZooKeeperConnectError` on timeout."""
+        timeout = self.connect_timeout_ms / 1000.0
+
+        def failed(reason):
+            reason.trap(KazooTimeoutError)
+            raise ZooKeeperConnectError(
+                "cannot connect to ZooKeeper at %s within %d ms; is it running?"
+                % (self.connect_string, self.connect_timeout_ms))
+
+        d = self._blocking(self._kazoo.start, timeout)
+        d.addCallbacks(lambda _: self, failed)
+        return d
+
+    def close(self):
+        """End the session (its ephemeral znodes go) and free kazoo's threads and sockets."""
+        def stop_and_close():
+            self._kazoo.stop()
+            self._kazoo.close()
+        return self._blocking(stop_and_close)
+
+    def add_state_listener(self, listener):
+        """Call ``listener(state)`` on the reactor thread at each :class:`SessionState` change."""
+        self._listeners.append(listener)
+
+    def remove_state_listener(self, listener):
+        self._listeners.remove(listener)
+
+    def _on_kazoo_state(self, state):
+        # Kazoo's connection thread; must not block. Expiry and close both arrive as LOST:
+        # the keeper state, already updated when listeners run, tells them apart.
+        if state == KazooState.LOST and self._kazoo.client_state == KeeperState.EXPIRED_SESSION:
+            state = SessionState.EXPIRED
+        self._reactor.callFromThread(self._dispatch_state, state)
+
+    def _dispatch_state(self, state):
+        self.log.info("ZooKeeper session {state} ({connect_string})", state=state,
+                      connect_string=self.connect_string)
+        for listener in list(self._listeners):
+            try:
+                listener(state)
+            except Exception:
+                self.log.failure("ZooKeeper state listener {listener!r} failed", listener=listener)
+
+    # --- thread plumbing ---------------------------------------------------------------------
+
+    def _bridge(self, start, *args, **kwargs):
+        """Run ``start(*args, **kwargs)`` (a kazoo ``*_async`` call) and return a Deferred
+        fired on the reactor thread with its result or exception."""
+        d = defer.Deferred()
+        try:
+            async_result = start(*args, **kwargs)
+        except Exception:
+            return defer.fail()
+
+        def completed(result):
+            # Kazoo's callback thread, or this thread when kazoo's handler is stopped.
+            try:
+                value = result.get_nowait()
+            except Exception as exc:
+                self._reactor.callFromThread(d.errback, exc)
+            else:
+                self._reactor.callFromThread(d.callback, value)
+
+        async_result.rawlink(completed)
+        return d
+
+    def _on_reactor(self, function):
+        """Wrap a callback kazoo calls from its thread so that it runs on the reactor thread."""
+        if function is None:
+            return None
+
+        def dispatch(*args):
+            self._reactor.callFromThread(function, *args)
+        return dispatch
+
+    def _blocking(self, function, *args, **kwargs):
+        """Run a blocking call in the reactor's thread pool."""
+        return threads.deferToThreadPool(self._reactor, self._reactor.getThreadPool(),
+                                         function, *args, **kwargs)
+
+    def run_blocking(self, function, *args, **kwargs):
+        """Run ``function(kazoo_client, *args, **kwargs)`` in the thread pool (for kazoo recipes)."""
+        return self._blocking(function, self._kazoo, *args, **kwargs)
+
+    # --- operations --------------------------------------------------------------------------
+
+    def create(self, path, value=b"", ephemeral=False, sequence=False, makepath=False):
+        """Create a znode; fires with its actual path (with the sequence suffix)."""
+        return self._bridge(self._kazoo.create_async, path, value, ephemeral=ephemeral,
+                            sequence=sequence, makepath=makepath)
+
+    def get(self, path, watch=None):
+        """Fires with ``(data, ZnodeStat)``; ``watch(WatchedEvent)`` runs once on the reactor thread."""
+        return self._bridge(self._kazoo.get_async, path, watch=self._on_reactor(watch))
+
+    def set(self, path, value, version=-1):
+        """Set data if the znode's version is ``version`` (-1: any); fires with the new ``ZnodeStat``."""
+        return self._bridge(self._kazoo.set_async, path, value, version)
+
+    def exists(self, path, watch=None):
+        """Fires with the ``ZnodeStat``, or ``None`` when the znode does not exist."""
+        return self._bridge(self._kazoo.exists_async, path, watch=self._on_reactor(watch))
+
+    def get_children(self, path, watch=None):
+        """Fires with the list of child names."""
+        return self._bridge(self._kazoo.get_children_async, path, watch=self._on_reactor(watch))
+
+    def delete(self, path, version=-1, recursive=False):
+        """Delete a znode (with ``recursive``, its whole subtree, through the thread pool)."""
+        if recursive:
+            return self._blocking(self._kazoo.delete, path, version, recursive=True)
+        return self._bridge(self._kazoo.delete_async, path, version)
+
+    def ensure_path(self, path):
+        """Create ``path`` and any missing parents (empty data)."""
+        return self._bridge(self._kazoo.ensure_path_async, path)
+
+    def sync(self, path):
+        """Make this session's view of ``path`` at least as new as the leader's."""
+        return self._bridge(self._kazoo.sync_async, path)
+
+    def transaction(self):
+        """A new :class:`Transaction` (multi-op) on this session."""
+        return Transaction(self, self._kazoo.transaction())
+
+    # --- persistent watches --------------------------------------------------------------------
+
+    def watch_data(self, path, callback):
+        """Call ``callback(data, stat)`` now and on every change of ``path`` (``(None, None)``
+        while it does not exist), on the reactor thread, until the handle is cancelled.
+
+        Fires with the :class:`WatchHandle` once the watch is set (after the first callback).
+        """
+        handle = WatchHandle()
+
+        def on_change(data, stat):
+            if handle.cancelled:
+                return False
+            self._reactor.callFromThread(self._if_active, handle, callback, data, stat)
+            return None
+
+        # kazoo's DataWatch reads the znode synchronously when built: keep that off the reactor.
+        return self._blocking(self._kazoo.DataWatch, path, on_change).addCallback(lambda _: handle)
+
+    def watch_children(self, path, callback):
+        """Call ``callback(children)`` now and on every change of ``path``'s children, on the
+        reactor thread, until the handle is cancelled.
+
+        Fires with the :class:`WatchHandle` once the watch is set (after the first callback).
+        """
+        handle = WatchHandle()
+
+        def on_change(children):
+            if handle.cancelled:
+                return False
+            self._reactor.callFromThread(self._if_active, handle, callback, children)
+            return None
+
+        return self._blocking(self._kazoo.ChildrenWatch, path, on_change).addCallback(lambda _: handle)
+
+    def _if_active(self, handle, callback, *args):
+        if not handle.cancelled:
+            callback(*args)
