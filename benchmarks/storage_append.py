@@ -156,13 +156,22 @@ def summarize(args, results, limit, limit_latencies):
     return figures, lines
 
 
-def main(argv=None):
+def argument_parser():
     p = parser(__doc__.splitlines()[1])
     p.add_argument("--batch", type=int, default=20)
     p.add_argument("--record-size", type=int, default=100)
     p.add_argument("--inflight", type=int, default=50, help="outstanding batches per partition")
     p.add_argument("--single", action="store_true", help="only the 1-partition run")
-    args = p.parse_args(argv)
+    return p
+
+
+def default_args(seconds, record_size):
+    """This benchmark's defaults for a 1-partition run (other benchmarks use it as their limit)."""
+    return argument_parser().parse_args(["--seconds", str(seconds), "--record-size", str(record_size), "--single"])
+
+
+def main(argv=None):
+    args = argument_parser().parse_args(argv)
 
     @defer.inlineCallbacks
     def run(reactor):

@@ -300,7 +300,7 @@ async def test_one_replica_down_during_recovery_recovers_in_the_background(scena
     metadata, states = await replica_states(scenario)
     assert states[c.name][1] == 3  # c missed the session: its closing high-water mark is resolved
     await c.start()
-    # c recovers in the background; the session re-forms to include it.
+    # c recovers in the background, catches up and joins the running session.
     await until(lambda: partition.session is not None and c.name in partition.session.joined, 15)
     await append_all(partition, [9])
     await until(lambda: c.node.partitions[PARTITION].log.max_transaction_id == 9)

@@ -40,8 +40,9 @@ from twisted.logger import Logger
 from waltz.recovery.voting import quorum_of, resolve_high_water_mark
 from waltz.zk.znodes import UNRESOLVED, ReplicaState
 
-#: Records copied per request while a replica catches up.
-CATCH_UP_BATCH_SIZE = 20
+#: Records copied per request while a replica catches up (the original copies 20; larger batches let a
+#: replica that returns under load catch up with a busy writer).
+CATCH_UP_BATCH_SIZE = 500
 
 
 class ReplicaRecoveryState(enum.Enum):
@@ -172,17 +173,10 @@ class ReplicaRecovery:
             return self._catch_up(high_water_mark)
         return None
 
-    @defer.inlineCallbacks
     def _catch_up(self, high_water_mark):
-        while self.max_transaction_id < high_water_mark:
-            usher = yield self.manager.usher_for(self)
-            wanted = min(CATCH_UP_BATCH_SIZE, high_water_mark - self.max_transaction_id)
-            records = yield usher.get_records(self.max_transaction_id + 1, wanted)
-            if not records:
-                raise RecoveryAborted("replica %s has no records after %d" % (usher.replica_id.storage,
-                                                                               self.max_transaction_id))
-            yield self.replica.append(tuple(records))
-            self.max_transaction_id = records[-1].transaction_id
+        d = copy_records(lambda first: self.manager.usher_for(self, first), self.replica,
+                         self.max_transaction_id + 1, high_water_mark)
+        return d.addCallback(self._set_max)
 
     def _set_low_water_mark(self, _):
         self._enter(ReplicaRecoveryState.SETTING_LOW_WATER_MARK)
@@ -316,18 +310,18 @@ class RecoveryManager:
         self._resolution_waiters.append(waiter)
         return waiter
 
-    def usher_for(self, recovery) -> defer.Deferred:
-        """A connected replica holding everything up to the resolved mark, to copy from."""
+    def usher_for(self, recovery, first) -> defer.Deferred:
+        """A connected replica holding the records from ``first`` up to the resolved mark, to copy from."""
         for other in self.recoveries.values():
             if other is not recovery and other.replica.connected and other.vote is not None \
                     and other.vote >= self.high_water_mark and other.max_transaction_id is not None \
-                    and other.max_transaction_id >= recovery.max_transaction_id + 1:
+                    and other.max_transaction_id >= first:
                 return defer.succeed(other.replica)
         waiter = defer.Deferred()
         self._usher_waiters.append(waiter)
         # Re-check shortly: a replica holding the records may reconnect.
         self.reactor.callLater(self.retry_interval, self._offer_ushers)
-        return waiter.addCallback(lambda _: self.usher_for(recovery))
+        return waiter.addCallback(lambda _: self.usher_for(recovery, first))
 
     def _offer_ushers(self):
         waiters, self._usher_waiters = self._usher_waiters, []
@@ -383,6 +377,37 @@ class RecoveryManager:
             else:
                 states.append(old)
         return attr.evolve(current, replica_states=tuple(states))
+
+
+@defer.inlineCallbacks
+def copy_records(source_for, target, first, last, batch_size=CATCH_UP_BATCH_SIZE):
+    """Copy records ``first``..``last`` to the replica ``target``, reading one batch ahead.
+
+    ``source_for(first)`` fires with a replica holding the records from
+    ``first`` on. Fires with ``last`` once everything is appended.
+    """
+    def read(start):
+        d = source_for(start)
+        return d.addCallback(lambda source: source.get_records(start, min(batch_size, last - start + 1)))
+
+    next_read = read(first) if first <= last else None
+    copied = first - 1
+    try:
+        while copied < last:
+            records, next_read = (yield next_read), None
+            if not records:
+                raise RecoveryAborted("no replica returned records after %d" % copied)
+            if records[0].transaction_id != copied + 1:
+                raise RecoveryAborted("expected record %d, got %d" % (copied + 1, records[0].transaction_id))
+            following = records[-1].transaction_id + 1
+            if following <= last:
+                next_read = read(following)
+            yield target.append(tuple(records))
+            copied = records[-1].transaction_id
+    finally:
+        if next_read is not None:
+            next_read.addErrback(lambda f: None)  # abandoned read-ahead
+    return copied
 
 
 def _first_error(failure):

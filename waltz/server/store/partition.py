@@ -150,6 +150,7 @@ class StorePartition:
             return None
         self.session = session
         self.sessions_started += 1
+        session.add_writable_listener(self._pump)
         return session.start().addCallback(self._session_recovered, session)
 
     def _session_recovered(self, result, session):

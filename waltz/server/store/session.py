@@ -7,21 +7,32 @@ before recovery completes. The replicas recovered at that point *joined* the
 session; writes go to every joined replica and are committed when a quorum of
 the *assigned* replicas has them durably.
 
+A replica that finishes recovering in the background, after the quorum, joins
+the running session: it is recorded in ZooKeeper as taking part in this
+session, copies the committed transactions it lacks from a joined replica,
+and, once it is within :data:`JOIN_HOLD_THRESHOLD` transactions, new batches
+are held while the last few are copied, so it joins exactly at the committed
+high-water mark (receiving the batch in flight, if any).
+
 A session never takes a replica back: a joined replica that fails, falls too
 far behind or disconnects makes the session close (after the batch in flight
 commits, if it reaches quorum), and the store partition starts a new session
-with its own recovery. A replica that finishes recovering in the background,
-after the quorum, also closes the session so the next one includes it from
-the start.
+with its own recovery.
 """
 
 import enum
 
+import attr
 from twisted.internet import defer
 from twisted.logger import Logger
 
-from waltz.recovery.manager import RecoveryManager
+from waltz.recovery.manager import RecoveryAborted, RecoveryManager, SessionFenced, copy_records
 from waltz.recovery.voting import quorum_of
+from waltz.zk.znodes import UNRESOLVED, ReplicaState
+
+#: A background replica this close to the committed high-water mark makes the session hold new batches
+#: while it copies the rest, so that it can join.
+JOIN_HOLD_THRESHOLD = 1000
 
 
 class SessionClosed(Exception):
@@ -64,14 +75,19 @@ class StoreSession:
         self.metrics = metrics
         self.max_outstanding_batches = max_outstanding_batches
         self._on_close = on_close
+        self.metadata_store = metadata_store
         self.recovery = RecoveryManager(partition_id, metadata, self.replicas, metadata_store, reactor,
                                         metrics, recovery_retry_interval)
         self.state = SessionState.CREATED
         self.close_reason = None
         self.low_water_mark = None
+        self.high_water_mark = None
         self.joined = {}
         self._outstanding = {}
         self._close_after_batch = None
+        self._holding = False
+        self._idle_waiters = []
+        self._writable_listeners = []
 
     def _enter(self, state, detail=""):
         self.log.info("partition {pid} store session {sid}: {old} -> {new}{detail}", pid=self.partition_id,
@@ -81,7 +97,11 @@ class StoreSession:
 
     @property
     def writable(self):
-        return self.state is SessionState.WRITING and self._close_after_batch is None
+        return self.state is SessionState.WRITING and self._close_after_batch is None and not self._holding
+
+    def add_writable_listener(self, listener):
+        """``listener()`` is called when the session becomes writable again after holding batches."""
+        self._writable_listeners.append(listener)
 
     # -- recovery ---------------------------------------------------------------------------------
 
@@ -95,14 +115,9 @@ class StoreSession:
     def _recovered(self, result):
         if self.state is SessionState.CLOSED:
             raise SessionClosed("session %d closed during recovery: %s" % (self.session_id, self.close_reason))
-        self.low_water_mark = result.high_water_mark
+        self.low_water_mark = self.high_water_mark = result.high_water_mark
         for storage in result.recovered:
-            replica = self.replicas[storage]
-            self.joined[storage] = replica
-            self._outstanding[storage] = 0
-            replica.on_disconnect(self._replica_lost)
-            if not replica.connected:
-                self._replica_lost(replica)
+            self._admit(storage)
         if self.state is not SessionState.CLOSED:
             self._enter(SessionState.WRITING, "low-water mark %d, joined %s"
                         % (self.low_water_mark, ", ".join(sorted(self.joined))))
@@ -114,9 +129,84 @@ class StoreSession:
         self.close("recovery failed: %s" % failure.getErrorMessage())
         return failure
 
+    def _admit(self, storage):
+        replica = self.replicas[storage]
+        self.joined[storage] = replica
+        self._outstanding[storage] = 0
+        replica.on_disconnect(self._replica_lost)
+        if not replica.connected:
+            self._replica_lost(replica)
+
     def _background_recovered(self, storage):
         if self.state is SessionState.WRITING:
-            self.close("replica %s recovered after the quorum: re-forming the session to include it" % storage)
+            self._join(storage).addErrback(self._join_failed, storage)
+
+    @defer.inlineCallbacks
+    def _join(self, storage):
+        """Bring a replica that recovered after the quorum up to the committed mark and join it."""
+        replica = self.replicas[storage]
+        yield self.metadata_store.update(self.partition_id, lambda current: self._with_member(current, replica))
+        copied = yield replica.max_transaction_id()
+        try:
+            while True:
+                self._check_writing()
+                if not self._holding and self.high_water_mark - copied <= JOIN_HOLD_THRESHOLD:
+                    self._holding = True
+                    yield self._idle()
+                    self._check_writing()
+                if copied < self.high_water_mark:
+                    copied = yield copy_records(self._source_for, replica, copied + 1, self.high_water_mark)
+                    continue
+                if self._holding:
+                    break
+        except Exception:
+            self._release()
+            raise
+        self._admit(storage)
+        self.log.info("partition {pid} store session {sid}: replica {storage} joined at {hwm}",
+                      pid=self.partition_id, sid=self.session_id, storage=storage, hwm=self.high_water_mark)
+        self._release()
+
+    def _with_member(self, current, replica):
+        """The metadata with ``replica`` recorded as taking part in this session."""
+        if current.session_id != self.session_id:
+            raise SessionFenced("partition %d is in session %d, not %d" % (self.partition_id, current.session_id,
+                                                                            self.session_id))
+        others = tuple(s for s in current.replica_states if s.replica_id != replica.replica_id)
+        state = ReplicaState(replica.replica_id, self.session_id, UNRESOLVED)
+        return attr.evolve(current, replica_states=others + (state,))
+
+    def _check_writing(self):
+        if self.state is not SessionState.WRITING:
+            raise RecoveryAborted("session %d is %s" % (self.session_id, self.state.value))
+
+    def _source_for(self, first):
+        reader = self.reader()
+        if reader is None:
+            return defer.fail(RecoveryAborted("no joined replica to copy from"))
+        return defer.succeed(reader)
+
+    def _idle(self):
+        """Fires when no batch is in flight."""
+        if self._batch is None:
+            return defer.succeed(None)
+        waiter = defer.Deferred()
+        self._idle_waiters.append(waiter)
+        return waiter
+
+    def _release(self):
+        if self._holding:
+            self._holding = False
+            for listener in list(self._writable_listeners):
+                listener()
+
+    def _join_failed(self, failure, storage):
+        if failure.check(SessionFenced):
+            self.close("fenced while replica %s joined: %s" % (storage, failure.getErrorMessage()))
+        elif self.state is SessionState.WRITING:
+            self.log.warn("partition {pid} store session {sid}: replica {storage} could not join: {reason}",
+                          pid=self.partition_id, sid=self.session_id, storage=storage,
+                          reason=failure.getErrorMessage())
 
     def _replica_lost(self, replica):
         self._leave(replica.replica_id.storage, "lost its connection")
@@ -176,9 +266,13 @@ class StoreSession:
 
     def _commit(self, batch):
         self._batch = None
-        batch.deferred.callback(batch.records[-1].transaction_id)
+        self.high_water_mark = batch.records[-1].transaction_id
+        batch.deferred.callback(self.high_water_mark)
         if self._close_after_batch is not None:
             self.close(self._close_after_batch)
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -203,5 +297,8 @@ class StoreSession:
         batch, self._batch = self._batch, None
         if batch is not None and not batch.deferred.called:
             batch.deferred.errback(SessionClosed("session %d closed: %s" % (self.session_id, reason)))
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for waiter in waiters:
+            waiter.errback(SessionClosed("session %d closed: %s" % (self.session_id, reason)))
         if self._on_close is not None:
             self._on_close(self, reason)

@@ -1,0 +1,271 @@
+"""Store session and store partition on dummy replicas: recovery states, quorum, abstention, settling.
+
+The replicas here are in-memory dummies implementing IReplicaSession whose
+appends the test acknowledges or fails one by one, so every quorum decision
+is deterministic. The real thing over sockets is in tests/recovery.
+"""
+
+import pytest
+from twisted.internet import defer
+from twisted.internet.task import Clock
+from zope.interface import implementer
+from zope.interface.verify import verifyClass, verifyObject
+
+from waltz.interfaces import IPartitionMetadataStore, IReplicaSession, IStorePartition
+from waltz.metrics import Registry
+from waltz.protocols.values import Record, ReqId, checksum
+from waltz.server.store.metrics import StoreMetrics
+from waltz.server.store.partition import AppendFailed, StorePartition
+from waltz.server.store.replica import ReplicaSession
+from waltz.server.store.session import SessionClosed, SessionState, StoreSession
+from waltz.server.store.store import ZooKeeperPartitionMetadata
+from waltz.zk.znodes import EMPTY_PARTITION_METADATA, UNRESOLVED, ReplicaId
+
+STORAGES = ("a:1", "b:1", "c:1")
+
+
+@implementer(IReplicaSession)
+class DummyReplica:
+    """An in-memory replica. With ``manual`` set, appends wait for :meth:`ack` / :meth:`fail`."""
+
+    def __init__(self, storage, session_id, log=None, manual=False):
+        self.replica_id = ReplicaId(0, storage)
+        self.session_id = session_id
+        self.connected = True
+        self.log = log if log is not None else []
+        self.last_session = (-1, -1, -1)
+        self.manual = manual
+        self.pending = []
+        self.calls = []
+        self._disconnect = []
+
+    def when_connected(self):
+        return defer.succeed(self)
+
+    def on_disconnect(self, callback):
+        self._disconnect.append(callback)
+
+    def close(self):
+        self.connected = False
+
+    def last_session_info(self):
+        return defer.succeed(self.last_session)
+
+    def max_transaction_id(self):
+        return defer.succeed(len(self.log) - 1)
+
+    def truncate(self, transaction_id):
+        self.calls.append(("truncate", transaction_id))
+        del self.log[transaction_id + 1:]
+        return defer.succeed(len(self.log) - 1)
+
+    def set_low_water_mark(self, low_water_mark):
+        self.calls.append(("set_low_water_mark", low_water_mark))
+        self.last_session = (self.session_id, low_water_mark, len(self.log) - 1)
+        return defer.succeed(None)
+
+    def append(self, records):
+        self.calls.append(("append", tuple(r.transaction_id for r in records)))
+        if not self.manual:
+            self.log.extend(records)
+            return defer.succeed(None)
+        d = defer.Deferred()
+        self.pending.append((records, d))
+        return d
+
+    def ack(self):
+        records, d = self.pending.pop(0)
+        self.log.extend(records)
+        d.callback(None)
+
+    def fail(self):
+        _, d = self.pending.pop(0)
+        d.errback(OSError("disk on fire"))
+
+    def get_records(self, transaction_id, max_records):
+        return defer.succeed(tuple(self.log[transaction_id:transaction_id + max_records]))
+
+    def get_headers(self, transaction_id, max_records):
+        return defer.succeed(tuple(r.record_header for r in self.log[transaction_id:transaction_id + max_records]))
+
+
+@implementer(IPartitionMetadataStore)
+class DummyMetadata:
+    def __init__(self):
+        self.value = EMPTY_PARTITION_METADATA
+        self.writes = 0
+
+    def read(self, partition_id):
+        return defer.succeed(self.value)
+
+    def update(self, partition_id, change):
+        self.value = change(self.value)
+        self.writes += 1
+        return defer.succeed(self.value)
+
+
+class Harness:
+    """Builds sessions over dummy replicas that keep their logs across sessions."""
+
+    def __init__(self, manual=False):
+        self.clock = Clock()
+        self.metadata = DummyMetadata()
+        self.logs = {s: [] for s in STORAGES}
+        self.last_sessions = {s: (-1, -1, -1) for s in STORAGES}
+        self.manual = manual
+        self.sessions = []
+        self.registry = Registry()
+        self.metrics = StoreMetrics(self.registry)
+
+    def new_session(self, partition_id=0, generation=1, on_close=None):
+        current = self.metadata.value
+        self.metadata.value = current.__class__(generation, current.session_id + 1, current.replica_states)
+        replicas = {}
+        for storage in STORAGES:
+            replica = DummyReplica(storage, self.metadata.value.session_id, self.logs[storage], self.manual)
+            replica.last_session = self.last_sessions[storage]
+            replicas[storage] = replica
+        session = StoreSession(partition_id, self.metadata.value, replicas, self.metadata, self.clock, on_close,
+                               self.metrics)
+        session.replicas_by_name = replicas
+        self.sessions.append(session)
+        return session
+
+    def factory(self, partition_id, generation, on_close):
+        if self.sessions:
+            for storage, replica in self.sessions[-1].replicas_by_name.items():
+                self.last_sessions[storage] = replica.last_session
+        return defer.succeed(self.new_session(partition_id, generation, on_close))
+
+
+def records(first, count):
+    return [Record.create(t, ReqId(1, 1, 0, t), 0, b"r%d" % t) for t in range(first, first + count)]
+
+
+def test_interfaces_are_implemented():
+    assert verifyClass(IReplicaSession, ReplicaSession)
+    assert verifyClass(IStorePartition, StorePartition)
+    assert verifyClass(IPartitionMetadataStore, ZooKeeperPartitionMetadata)
+    assert verifyObject(IReplicaSession, DummyReplica("a:1", 1))
+
+
+def test_recovery_goes_through_named_states_and_records_them():
+    h = Harness()
+    session = h.new_session()
+    result = session.start()
+    assert result.called and result.result.high_water_mark == -1
+    assert session.state is SessionState.WRITING and set(session.joined) == set(STORAGES)
+    text = h.registry.prometheus_text()
+    for state in ("voting", "resolved", "updating-metadata", "complete"):
+        assert 'waltz_server_recovery_transitions_total{partition="0",state="%s"} 1' % state in text
+    for state in ("waiting-for-connection", "reading-session-info", "voted", "setting-low-water-mark",
+                  "recovered"):
+        assert 'waltz_server_replica_recovery_transitions_total{partition="0",state="%s"} 3' % state in text
+    assert {s.replica_id.storage: (s.session_id, s.closing_high_water_mark)
+            for s in h.metadata.value.replica_states} == {s: (session.session_id, UNRESOLVED) for s in STORAGES}
+
+
+def started(h):
+    session = h.new_session()
+    session.start()
+    assert session.state is SessionState.WRITING
+    return session
+
+
+def test_batch_commits_exactly_at_quorum():
+    h = Harness(manual=True)
+    session = started(h)
+    a, b, c = (session.replicas_by_name[s] for s in STORAGES)
+    committed = session.write(records(0, 3))
+    a.ack()
+    assert not committed.called
+    c.ack()
+    assert committed.result == 2
+    b.ack()  # the late one changes nothing
+    assert session.state is SessionState.WRITING
+
+
+def test_replica_failing_after_quorum_commits_then_closes_the_session():
+    h = Harness(manual=True)
+    closed = []
+    session = h.new_session(on_close=lambda s, reason: closed.append(reason))
+    session.start()
+    a, b, c = (session.replicas_by_name[s] for s in STORAGES)
+    committed = session.write(records(0, 1))
+    a.ack()
+    c.fail()   # c abstains: the batch can still commit with b
+    assert session.state is SessionState.WRITING and not session.writable
+    b.ack()
+    assert committed.result == 0
+    assert session.state is SessionState.CLOSED and "c:1 failed an append" in closed[0]
+
+
+def test_without_quorum_the_batch_fails_with_session_closed():
+    h = Harness(manual=True)
+    session = started(h)
+    a, b, c = (session.replicas_by_name[s] for s in STORAGES)
+    committed = session.write(records(0, 1))
+    a.fail()
+    b.fail()
+    assert session.state is SessionState.CLOSED
+    with pytest.raises(SessionClosed):
+        committed.result.raiseException()
+    committed.addErrback(lambda f: None)
+    later = []
+    session.write(records(0, 1)).addErrback(lambda f: later.append(f.trap(SessionClosed)))
+    assert later == [SessionClosed]
+
+
+def test_unsettled_batch_is_settled_by_the_next_recovery_and_nothing_is_reported_twice():
+    h = Harness(manual=True)
+    partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=2)
+    partition.open()
+    outcomes = {}
+    appends = [partition.append(ReqId(1, 1, 0, n), 0, b"d%d" % n, checksum(b"d%d" % n)) for n in range(4)]
+    for n, d in enumerate(appends):
+        d.addBoth(lambda result, n=n: outcomes.setdefault(n, []).append(result))
+    first = h.sessions[0]
+    a, b, c = (first.replicas_by_name[s] for s in STORAGES)
+    # Append 0 went out alone (1-3 queued behind it); it reaches a only, then b and c fail.
+    a.ack()
+    b.fail()
+    c.fail()
+    assert first.state is SessionState.CLOSED and outcomes == {}
+    h.clock.advance(0)  # the partition starts the next session; recovery: a holds 0, b and c nothing
+    second = h.sessions[1]
+    assert second.recovery.state.value == "complete" and partition.high_water_mark == -1
+    # Only a held it: not on a quorum, so not committed; the queued appends go to the new session.
+    assert isinstance(outcomes[0][0].value, AppendFailed) and len(outcomes[0]) == 1
+    assert h.logs["a:1"] == []  # the dirty record was truncated
+    for _ in range(2):  # batch [1, 2], then [3]
+        for replica in second.replicas_by_name.values():
+            replica.ack()
+    assert outcomes[1] == [0] and outcomes[2] == [1] and outcomes[3] == [2]
+    assert all(len(v) == 1 for v in outcomes.values())
+
+
+def test_unsettled_batch_on_a_quorum_is_reported_committed():
+    h = Harness(manual=True)
+    partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=5)
+    partition.open()
+    d = partition.append(ReqId(1, 1, 0, 0), 0, b"x", checksum(b"x"))
+    first = h.sessions[0]
+    a, b, c = (first.replicas_by_name[s] for s in STORAGES)
+    a.ack()
+    first.close("server lost track of b's answer")   # b stored it but the ack was lost
+    b.ack()
+    assert not d.called
+    h.clock.advance(0)
+    assert d.result == 0 and partition.high_water_mark == 0
+
+
+def test_checkpoint_interval_starts_a_new_session():
+    h = Harness()
+    partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=1, checkpoint_interval=3)
+    partition.open()
+    for n in range(4):
+        partition.append(ReqId(1, 1, 0, n), 0, b"x", checksum(b"x"))
+        h.clock.advance(0)
+    assert partition.high_water_mark == 3
+    assert partition.sessions_started == 2
+    assert h.sessions[0].close_reason.startswith("checkpoint")

@@ -1,0 +1,106 @@
+"""A Waltz cluster of local processes: ZooKeeper, storage daemons (and later servers) on 127.0.0.1.
+
+:class:`LocalCluster` creates the cluster in ZooKeeper, starts each storage
+daemon with ``twistd`` in its own run directory, registers it
+(``add-storage`` with its admin port, one group per storage), assigns every
+partition to every storage, and pushes that assignment to the storage nodes
+through their admin ports. Everything it starts it stops by pid.
+"""
+
+import os
+
+from twisted.internet import defer, endpoints
+
+from waltz.local.daemons import local_storage
+from waltz.local.zookeeper import LocalZooKeeper
+from waltz.protocols import admin_messages as am
+from waltz.protocols.rpc import AdminClientProtocol, RequestClientFactory
+from waltz.zk.bridge import ZooKeeperClient
+from waltz.zk.metadata import ClusterMetadata
+
+
+@defer.inlineCallbacks
+def admin_connection(reactor, host, admin_port, params):
+    """An opened admin-port connection to a storage node."""
+    endpoint = endpoints.TCP4ClientEndpoint(reactor, host, admin_port, timeout=5)
+    proto = yield endpoint.connect(RequestClientFactory(AdminClientProtocol, am.OpenRequest(-1, params.key,
+                                                                                            params.num_partitions)))
+    yield proto.opened
+    return proto
+
+
+@defer.inlineCallbacks
+def push_assignment(reactor, storage, admin_port, partitions, params):
+    """Assign ``partitions`` on the storage node ``storage`` (``host:port``) through its admin port."""
+    proto = yield admin_connection(reactor, storage.rpartition(":")[0], admin_port, params)
+    try:
+        yield proto.request(am.PartitionAssignmentRequest(0, tuple(partitions), True, False))
+    finally:
+        proto.transport.loseConnection()
+
+
+class LocalCluster:
+    """ZooKeeper plus ``num_storages`` storage daemons, each holding every partition."""
+
+    def __init__(self, run_dir, num_partitions=1, num_storages=3, root="/waltz_cluster", zookeeper=None,
+                 storage_overrides=None):
+        self.run_dir = os.path.abspath(run_dir)
+        self.num_partitions = num_partitions
+        self.num_storages = num_storages
+        self.root = root
+        self.zookeeper = zookeeper
+        self._own_zookeeper = zookeeper is None
+        self.storage_overrides = dict(storage_overrides or {})
+        self.storages = []
+        self.params = None
+        self.zk_client = None
+        self.metadata = None
+
+    @property
+    def connect_string(self):
+        return self.zookeeper.connect_string
+
+    @staticmethod
+    def storage_name(daemon):
+        return "127.0.0.1:%d" % daemon.config["storage.port"]
+
+    @defer.inlineCallbacks
+    def start(self, reactor):
+        """Start everything; fires when every storage serves its partitions."""
+        if self.zookeeper is None:
+            self.zookeeper = LocalZooKeeper(os.path.join(self.run_dir, "zookeeper"))
+        if not self.zookeeper.is_running():
+            self.zookeeper.start()
+        self.zk_client = ZooKeeperClient(self.connect_string, reactor=reactor)
+        yield self.zk_client.connect()
+        self.metadata = ClusterMetadata(self.zk_client, self.root, reactor)
+        self.params = yield self.metadata.create_cluster("local", self.num_partitions)
+        for index in range(self.num_storages):
+            yield self.add_storage(reactor, index)
+        return self
+
+    @defer.inlineCallbacks
+    def add_storage(self, reactor, group):
+        """Start one more storage daemon, register it in ``group`` and give it every partition."""
+        run_dir = os.path.join(self.run_dir, "storage%d" % len(self.storages))
+        daemon = local_storage(run_dir, self.connect_string, self.root, **self.storage_overrides)
+        self.storages.append(daemon)
+        daemon.start()
+        name = self.storage_name(daemon)
+        admin_port = daemon.config["storage.admin.port"]
+        partitions = list(range(self.num_partitions))
+        yield self.metadata.edit_topology(
+            lambda t, p: t.add_storage(name, admin_port, group).assign(name, partitions, p.num_partitions))
+        yield push_assignment(reactor, name, admin_port, partitions, self.params)
+        return daemon
+
+    @defer.inlineCallbacks
+    def stop(self):
+        """Stop every process this cluster started (by pid) and its ZooKeeper session."""
+        if self.zk_client is not None:
+            yield self.zk_client.close()
+            self.zk_client = None
+        for daemon in reversed(self.storages):
+            daemon.stop()
+        if self._own_zookeeper and self.zookeeper is not None:
+            self.zookeeper.stop()

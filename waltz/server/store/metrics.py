@@ -1,0 +1,31 @@
+"""Metrics of the store layer: recovery state transitions, sessions, commits."""
+
+from waltz.metrics import SIZE_BUCKETS
+from waltz.recovery.manager import PartitionRecoveryState
+
+
+class StoreMetrics:
+    """Recovery transitions (per partition and state), sessions started, batches committed."""
+
+    _STATE_CODES = {state.value: code for code, state in enumerate(PartitionRecoveryState)}
+
+    def __init__(self, registry):
+        self.recovery_transitions = registry.counter(
+            "waltz_server_recovery_transitions_total", "recovery state transitions of store sessions",
+            ("partition", "state"))
+        self.replica_transitions = registry.counter(
+            "waltz_server_replica_recovery_transitions_total", "replica recovery state transitions",
+            ("partition", "state"))
+        self.recovery_state = registry.gauge(
+            "waltz_server_recovery_state", "current recovery state of the partition's store session (%s)"
+            % ", ".join("%d=%s" % (c, s) for s, c in self._STATE_CODES.items()), ("partition",))
+        self.batch_size = registry.histogram(
+            "waltz_server_store_batch_transactions", "transactions per replicated batch", ("partition",),
+            SIZE_BUCKETS)
+
+    def recovery_transition(self, partition_id, state):
+        self.recovery_transitions.inc(1, partition_id, state)
+        self.recovery_state.set(self._STATE_CODES[state], partition_id)
+
+    def replica_transition(self, partition_id, state):
+        self.replica_transitions.inc(1, partition_id, state)
