@@ -73,3 +73,14 @@ async def cluster_metadata(zk_client, cluster_root):
     metadata = ClusterMetadata(zk_client, cluster_root)
     await metadata.create_cluster("test", TEST_PARTITIONS)
     return metadata
+
+
+# --- Debugging ---------------------------------------------------------------------------------
+
+def pytest_configure(config):
+    """With WALTZ_TEST_LOG=FILE, Twisted's log of the test process goes to FILE (for debugging)."""
+    import os
+    path = os.environ.get("WALTZ_TEST_LOG")
+    if path:
+        from twisted.logger import globalLogPublisher, textFileLogObserver
+        globalLogPublisher.addObserver(textFileLogObserver(open(path, "a")))

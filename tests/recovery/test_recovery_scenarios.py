@@ -176,6 +176,17 @@ async def writing(partition, timeout=10.0):
     return partition.session
 
 
+async def all_joined(scenario, partition, storages=None, timeout=15.0):
+    """Wait until every (given, running) storage has joined the session and holds the high-water mark."""
+    def joined():
+        running = [s for s in (storages or scenario.storages) if s.node]
+        session = partition.session
+        return (partition.healthy and {s.name for s in running} <= set(session.joined)
+                and all(s.node.partitions[PARTITION].log.max_transaction_id == partition.high_water_mark
+                        for s in running))
+    await until(joined, timeout)
+
+
 async def assert_replicas_hold(scenario, numbers, storages=None):
     """Every (given) replica holds exactly the transactions ``numbers`` (as payloads), byte for byte."""
     expected = [(t, payload(n)) for t, n in enumerate(numbers)]
@@ -200,9 +211,22 @@ async def test_clean_start_writes_to_all_replicas_and_records_them_in_zookeeper(
     assert ids == list(range(10)) and partition.high_water_mark == 9
     await until(lambda: all(len(s.node.partitions[PARTITION].log.read_records(0, 100)) == 10
                             for s in scenario.storages))
+    await all_joined(scenario, partition)
     await assert_replicas_hold(scenario, range(10))
     metadata, states = await replica_states(scenario)
     assert metadata.generation == 1
+    assert states == {s.name: (metadata.session_id, UNRESOLVED) for s in scenario.storages}
+    # Reads come from a joined replica and never go past the high-water mark.
+    assert [r.data for r in await partition.get_records(0, 100)] == [payload(n) for n in range(10)]
+    assert [h.transaction_id for h in await partition.get_headers(5, 3)] == [5, 6, 7]
+    assert (await partition.get_record(9)).data == payload(9) and await partition.get_record(10) is None
+    first = scenario.storages[0]
+    await first.stop()
+    await until(lambda: partition.healthy and first.name not in partition.session.joined)
+    assert [r.transaction_id for r in await partition.get_records(8, 5)] == [8, 9]
+    await first.start()
+    await until(lambda: partition.healthy and first.name in partition.session.joined)
+    metadata, states = await replica_states(scenario)
     assert states == {s.name: (metadata.session_id, UNRESOLVED) for s in scenario.storages}
 
 
@@ -211,11 +235,14 @@ async def test_clean_restart_and_idempotent_recovery(scenario):
     await scenario.add_storages(3)
     partition = await scenario.open_store()
     await append_all(partition, range(12))
+    await all_joined(scenario, partition)
     await scenario.close_stores()
     for _ in range(2):  # recovering twice changes nothing but the session id
         partition = await scenario.open_store()
         session = await writing(partition)
+        await all_joined(scenario, partition)
         assert partition.high_water_mark == 11 and session.low_water_mark == 11
+        await all_joined(scenario, partition)
         await assert_replicas_hold(scenario, range(12))
         metadata, states = await replica_states(scenario)
         assert states == {s.name: (session.session_id, UNRESOLVED) for s in scenario.storages}
@@ -229,6 +256,7 @@ async def test_dirty_tail_on_one_replica_is_truncated(scenario):
     a, b, c = await scenario.add_storages(3)
     partition = await scenario.open_store()
     await append_all(partition, range(8))
+    await all_joined(scenario, partition)
     session_id = partition.session.session_id
     await scenario.close_stores()
     # Replica a got three more transactions that never reached a quorum.
@@ -236,9 +264,11 @@ async def test_dirty_tail_on_one_replica_is_truncated(scenario):
     partition = await scenario.open_store()
     await writing(partition)
     assert partition.high_water_mark == 7
+    await all_joined(scenario, partition)
     await assert_replicas_hold(scenario, range(8))
     assert await append_all(partition, [20]) == [8]
     await until(lambda: len(a.node.partitions[PARTITION].log.read_records(0, 100)) == 9)
+    await all_joined(scenario, partition)
     await assert_replicas_hold(scenario, list(range(8)) + [20])
 
 
@@ -247,6 +277,7 @@ async def test_tail_on_a_quorum_is_committed(scenario):
     a, b, c = await scenario.add_storages(3)
     partition = await scenario.open_store()
     await append_all(partition, range(5))
+    await all_joined(scenario, partition)
     session_id = partition.session.session_id
     await scenario.close_stores()
     tail = [Record.create(t, req(t), t, payload(t)) for t in (5, 6)]
@@ -256,6 +287,7 @@ async def test_tail_on_a_quorum_is_committed(scenario):
     await writing(partition)
     assert partition.high_water_mark == 6
     await until(lambda: c.node.partitions[PARTITION].log.max_transaction_id == 6)  # c caught up
+    await all_joined(scenario, partition)
     await assert_replicas_hold(scenario, range(7))
 
 
@@ -264,9 +296,10 @@ async def test_stale_snapshot_is_truncated_to_its_own_low_water_mark_and_caught_
     a, b, c = await scenario.add_storages(3)
     partition = await scenario.open_store()
     await append_all(partition, range(6))
+    await all_joined(scenario, partition)
     await scenario.close_stores()
     partition = await scenario.open_store()  # session 2 starts with low-water mark 5 on every replica
-    await writing(partition)
+    await all_joined(scenario, partition)
     await scenario.close_stores()
     await c.stop()
     snapshot = str(scenario.tmp_path / "snapshot")
@@ -274,6 +307,7 @@ async def test_stale_snapshot_is_truncated_to_its_own_low_water_mark_and_caught_
     await c.start()
     partition = await scenario.open_store()
     await append_all(partition, range(6, 15))
+    await all_joined(scenario, partition)
     await scenario.close_stores()
     await c.stop()
     shutil.rmtree(c.directory)
@@ -283,6 +317,7 @@ async def test_stale_snapshot_is_truncated_to_its_own_low_water_mark_and_caught_
     await writing(partition)
     assert partition.high_water_mark == 14
     await until(lambda: c.node.partitions[PARTITION].log.max_transaction_id == 14)
+    await all_joined(scenario, partition)
     await assert_replicas_hold(scenario, range(15))
 
 
@@ -291,6 +326,7 @@ async def test_one_replica_down_during_recovery_recovers_in_the_background(scena
     a, b, c = await scenario.add_storages(3)
     partition = await scenario.open_store()
     await append_all(partition, range(4))
+    await all_joined(scenario, partition)
     await scenario.close_stores()
     await c.stop()
     partition = await scenario.open_store()
@@ -304,6 +340,7 @@ async def test_one_replica_down_during_recovery_recovers_in_the_background(scena
     await until(lambda: partition.session is not None and c.name in partition.session.joined, 15)
     await append_all(partition, [9])
     await until(lambda: c.node.partitions[PARTITION].log.max_transaction_id == 9)
+    await all_joined(scenario, partition)
     await assert_replicas_hold(scenario, range(10))
     metadata, states = await replica_states(scenario)
     assert states == {s.name: (partition.session.session_id, UNRESOLVED) for s in scenario.storages}
@@ -314,6 +351,7 @@ async def test_two_replicas_down_is_undecidable_until_one_returns(scenario):
     a, b, c = await scenario.add_storages(3)
     partition = await scenario.open_store()
     await append_all(partition, range(3))
+    await all_joined(scenario, partition)
     session_id = partition.session.session_id
     await scenario.close_stores()
     await a.plant(session_id, [Record.create(3, req(3), 3, payload(3))])  # a holds 3; did b?
@@ -332,6 +370,7 @@ async def test_two_replicas_down_is_undecidable_until_one_returns(scenario):
     await writing(partition, 15)
     assert partition.high_water_mark >= 2
     assert await pending == 3
+    await all_joined(scenario, partition)
     await assert_replicas_hold(scenario, [0, 1, 2, 50], [a, b, c])
 
 
@@ -344,6 +383,7 @@ async def test_replica_added_removed_and_replaced(scenario):
     await until(lambda: partition.session is not None and d.name in partition.session.joined, 15)
     await append_all(partition, [5])
     await until(lambda: d.node.partitions[PARTITION].log.max_transaction_id == 5)
+    await all_joined(scenario, partition)
     await assert_replicas_hold(scenario, range(6))
     metadata, states = await replica_states(scenario)
     assert set(states) == {a.name, b.name, c.name, d.name}
@@ -360,6 +400,7 @@ async def test_replica_added_removed_and_replaced(scenario):
                 and set(partition.session.joined) == {c.name, d.name, e.name}, 15)
     await append_all(partition, [7])
     await until(lambda: e.node.partitions[PARTITION].log.max_transaction_id == 7)
+    await all_joined(scenario, partition, [c, d, e])
     await assert_replicas_hold(scenario, range(8), [c, d, e])
     metadata, states = await replica_states(scenario)
     assert states == {s.name: (partition.session.session_id, UNRESOLVED) for s in (c, d, e)}
@@ -377,6 +418,7 @@ async def test_second_session_fences_the_first(scenario):
         await old.append(req(99), 0, b"stale", checksum(b"stale"))
     await until(lambda: old.lost is not None)
     assert "generation 1" in old.lost
+    await all_joined(scenario, new)
     await assert_replicas_hold(scenario, range(4))
     metadata, _ = await replica_states(scenario)
     assert metadata.generation == 2 and metadata.session_id == new.session.session_id
@@ -395,4 +437,5 @@ async def test_storage_failure_while_writing_settles_every_append_once(scenario)
     await c.start()
     await until(lambda: c.node is not None and PARTITION in c.node.partitions
                 and c.node.partitions[PARTITION].log.max_transaction_id == 34, 15)
+    await all_joined(scenario, partition)
     await assert_replicas_hold(scenario, range(35))
