@@ -439,3 +439,26 @@ async def test_storage_failure_while_writing_settles_every_append_once(scenario)
                 and c.node.partitions[PARTITION].log.max_transaction_id == 34, 15)
     await all_joined(scenario, partition)
     await assert_replicas_hold(scenario, range(35))
+
+
+@pytest_twisted.ensureDeferred
+async def test_several_replicas_added_and_removed_at_once(scenario):
+    a, b, c = await scenario.add_storages(3)
+    partition = await scenario.open_store()
+    await append_all(partition, range(6))
+    d, e = await scenario.add_storages(2, assign=False)
+    await scenario.metadata.edit_topology(   # seed 000 example 2: two replicas added in one change
+        lambda t, p: t.assign(d.name, [PARTITION], p.num_partitions).assign(e.name, [PARTITION], p.num_partitions))
+    await all_joined(scenario, partition)
+    assert set(partition.session.replicas) == {s.name for s in (a, b, c, d, e)} and partition.session.quorum == 3
+    await append_all(partition, [6])
+    await all_joined(scenario, partition)
+    await assert_replicas_hold(scenario, range(7))
+    await scenario.metadata.edit_topology(   # example 4: two replicas removed in one change
+        lambda t, p: t.unassign(c.name, [PARTITION]).unassign(d.name, [PARTITION]))
+    await until(lambda: partition.healthy and set(partition.session.replicas) == {a.name, b.name, e.name})
+    await append_all(partition, [7])
+    await all_joined(scenario, partition, [a, b, e])
+    await assert_replicas_hold(scenario, range(8), [a, b, e])
+    metadata, states = await replica_states(scenario)
+    assert states == {s.name: (partition.session.session_id, UNRESOLVED) for s in (a, b, e)}
