@@ -38,10 +38,16 @@ fi
 stamp=".venv/.waltz-installed"
 want="$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)-$EXTRAS"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "bootstrap: installing Waltz and its [$EXTRAS] extras into .venv"
-  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
-  # compat mode: the flat twisted/plugins layout stays visible to twistd (see docs/operations.md).
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]" \
-      --config-settings editable_mode=compat
+  echo "bootstrap: installing Waltz and its [$EXTRAS] extras into .venv (log: .venv/install.log)"
+  if ! {
+    .venv/bin/python -m pip install --disable-pip-version-check --upgrade pip setuptools wheel &&
+    # compat mode: the flat twisted/plugins layout stays visible to twistd (see docs/operations.md).
+    .venv/bin/python -m pip install --disable-pip-version-check -e ".[$EXTRAS]" \
+        --config-settings editable_mode=compat
+  } > .venv/install.log 2>&1; then
+    tail -n 30 .venv/install.log >&2
+    echo "bootstrap: installing Python packages failed (full log: .venv/install.log)" >&2
+    exit 1
+  fi
   echo "$want" > "$stamp"
 fi

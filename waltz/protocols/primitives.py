@@ -71,6 +71,11 @@ class Writer:
         self._buf.append(1 if value else 0)
         return self
 
+    def pack(self, fmt: struct.Struct, *values) -> "Writer":
+        """Append several fixed-size fields at once (a hot-path shortcut for records)."""
+        self._buf += fmt.pack(*values)
+        return self
+
     def raw(self, data) -> "Writer":
         """Append bytes with no length prefix."""
         self._buf += data
@@ -153,6 +158,12 @@ class Reader:
 
     def raw(self, size: int, what: str = "bytes") -> bytes:
         return bytes(self._take(size, what))
+
+    def unpack(self, fmt: struct.Struct, what: str) -> tuple:
+        """Read several fixed-size fields at once (a hot-path shortcut for records)."""
+        start = self._pos
+        self._take(fmt.size, what)
+        return fmt.unpack_from(self._view, start)
 
     def byte_array(self, what: str = "byte[]"):
         """Read an i32 length and the bytes; length -1 gives ``None``."""

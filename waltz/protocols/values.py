@@ -8,6 +8,8 @@ All checksums of transaction data are CRC32C (``crc32c`` package), computed over
 the data only. The original used zlib CRC-32 on the wire; see ``docs/protocol.md``.
 """
 
+import struct
+
 import attr
 import crc32c as _crc32c
 
@@ -99,18 +101,21 @@ class Record:
         return RecordHeader(self.transaction_id, self.req_id, self.header)
 
     def encode(self, w: Writer) -> Writer:
-        w.i64(self.transaction_id)
-        self.req_id.encode(w)
-        w.i32(self.header)
-        w.byte_array(self.data)
+        r = self.req_id
+        w.pack(_RECORD_PREFIX, self.transaction_id, r.client_id, r.generation, r.partition_id, r.seq_num,
+               self.header, len(self.data))
+        w.raw(self.data)
         return w.i32(self.checksum)
 
     @classmethod
     def decode(cls, r: Reader) -> "Record":
-        txn = r.i64("transactionId")
-        req_id = ReqId.decode(r)
-        header = r.i32("header")
-        data = r.byte_array("data")
-        if data is None:
-            raise DecodeError("record %d has null data" % txn)
-        return cls(txn, req_id, header, data, r.i32("checksum"))
+        txn, client_id, generation, partition_id, seq_num, header, length = r.unpack(_RECORD_PREFIX, "record")
+        if length < 0:
+            raise DecodeError("record %d has null data" % txn if length == -1
+                              else "record %d has a bad data length %d" % (txn, length))
+        data = r.raw(length, "record %d data" % txn)
+        return cls(txn, ReqId(client_id, generation, partition_id, seq_num), header, data, r.i32("checksum"))
+
+
+#: Record fields up to the data: transaction id, ReqId, header, data length (one struct call, not seven).
+_RECORD_PREFIX = struct.Struct(">qiiiiii")
