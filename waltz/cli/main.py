@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "waltz.cli.cluster",
     "waltz.cli.zookeeper",
     "waltz.cli.disk",
+    "waltz.cli.storage",
 )
 
 
