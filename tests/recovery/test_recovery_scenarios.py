@@ -393,11 +393,12 @@ async def test_replica_added_removed_and_replaced(scenario):
     await append_all(partition, [6])
     metadata, states = await replica_states(scenario)
     assert set(states) == {b.name, c.name, d.name}
-    (e,) = await scenario.add_storages(1, assign=False)   # replaced: b out, e in
-    await scenario.assign(e)
-    await scenario.unassign(b)
+    (e,) = await scenario.add_storages(1, assign=False)   # replaced: b out, e in, in one change
+    await scenario.metadata.edit_topology(
+        lambda t, p: t.assign(e.name, [PARTITION], p.num_partitions).unassign(b.name, [PARTITION]))
     await until(lambda: partition.session is not None and partition.healthy
-                and set(partition.session.joined) == {c.name, d.name, e.name}, 15)
+                and set(partition.session.replicas) == set(partition.session.joined) == {c.name, d.name, e.name},
+                15)
     await append_all(partition, [7])
     await until(lambda: e.node.partitions[PARTITION].log.max_transaction_id == 7)
     await all_joined(scenario, partition, [c, d, e])
