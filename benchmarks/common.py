@@ -14,13 +14,11 @@ import sys
 import tempfile
 import time
 
-from twisted.internet import defer, endpoints
+from twisted.internet import defer
 
 from waltz.local.daemons import local_storage
 from waltz.local.zookeeper import LocalZooKeeper
-from waltz.protocols import admin_messages as am
-from waltz.protocols import storage_messages as sm
-from waltz.protocols.rpc import AdminClientProtocol, RequestClientFactory, StorageClientProtocol
+from waltz.protocols.rpc import connect_storage_client
 from waltz.zk.bridge import ZooKeeperClient
 from waltz.zk.metadata import ClusterMetadata
 
@@ -102,14 +100,8 @@ def start_storage(run_dir, connect_string, started, root=ROOT, **overrides):
 @defer.inlineCallbacks
 def connect_storage(reactor, storage, params, admin=False):
     """A connected, opened client of a storage daemon's storage (or admin) port."""
-    if admin:
-        cls, open_request, port = AdminClientProtocol, am.OpenRequest(-1, params.key, params.num_partitions), \
-            storage.config["storage.admin.port"]
-    else:
-        cls, open_request, port = StorageClientProtocol, sm.OpenRequest.create(params.key, params.num_partitions), \
-            storage.config["storage.port"]
-    endpoint = endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port)
-    proto = yield endpoint.connect(RequestClientFactory(cls, open_request))
+    port = storage.config["storage.admin.port" if admin else "storage.port"]
+    proto = yield connect_storage_client(reactor, "127.0.0.1", port, params.key, params.num_partitions, admin)
     yield proto.opened
     return proto
 

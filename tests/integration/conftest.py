@@ -16,12 +16,10 @@ Tests outside this directory (tests/cli) import the fixtures they need from here
 
 import pytest
 import pytest_twisted
-from twisted.internet import endpoints, reactor
+from twisted.internet import reactor
 
 from waltz.local.daemons import local_storage
-from waltz.protocols import admin_messages as am
-from waltz.protocols import storage_messages as sm
-from waltz.protocols.rpc import AdminClientProtocol, RequestClientFactory, StorageClientProtocol
+from waltz.protocols.rpc import connect_storage_client
 
 
 @pytest.fixture
@@ -73,14 +71,8 @@ class StorageClients:
         (``await proto.opened`` to see the refusal)."""
         key = self.params.key if key is None else key
         count = self.params.num_partitions if num_partitions is None else num_partitions
-        if admin:
-            cls, open_request, port = AdminClientProtocol, am.OpenRequest(-1, key, count), \
-                daemon.config["storage.admin.port"]
-        else:
-            cls, open_request, port = StorageClientProtocol, sm.OpenRequest.create(key, count), \
-                daemon.config["storage.port"]
-        endpoint = endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port, timeout=5)
-        proto = await endpoint.connect(RequestClientFactory(cls, open_request))
+        port = daemon.config["storage.admin.port" if admin else "storage.port"]
+        proto = await connect_storage_client(reactor, "127.0.0.1", port, key, count, admin)
         self.connections.append(proto)
         return proto
 

@@ -9,7 +9,6 @@ high-water mark, the record bytes on every replica and the partition metadata
 in ZooKeeper.
 """
 
-import os
 import shutil
 
 import pytest
@@ -19,11 +18,11 @@ from twisted.internet import defer, endpoints, reactor, task
 from waltz.protocols import storage_messages as sm
 from waltz.protocols.values import Record, ReqId, checksum
 from waltz.server.store.partition import AppendFailed, AppendFateUnknown, PartitionNotOwned
-from waltz.server.store.session import SessionState
+
 from waltz.server.store.store import Store
 from waltz.storage.handlers import NodeFactory, StorageServerProtocol
 from waltz.storage.node import StorageNode
-from waltz.zk.znodes import UNRESOLVED, ReplicaId
+from waltz.zk.znodes import UNRESOLVED
 
 PARTITION = 0
 GROUP = 0

@@ -9,12 +9,12 @@ through their admin ports. Everything it starts it stops by pid.
 
 import os
 
-from twisted.internet import defer, endpoints
+from twisted.internet import defer
 
 from waltz.local.daemons import local_storage
 from waltz.local.zookeeper import LocalZooKeeper
 from waltz.protocols import admin_messages as am
-from waltz.protocols.rpc import AdminClientProtocol, RequestClientFactory
+from waltz.protocols.rpc import connect_storage_client
 from waltz.zk.bridge import ZooKeeperClient
 from waltz.zk.metadata import ClusterMetadata
 
@@ -22,9 +22,7 @@ from waltz.zk.metadata import ClusterMetadata
 @defer.inlineCallbacks
 def admin_connection(reactor, host, admin_port, params):
     """An opened admin-port connection to a storage node."""
-    endpoint = endpoints.TCP4ClientEndpoint(reactor, host, admin_port, timeout=5)
-    proto = yield endpoint.connect(RequestClientFactory(AdminClientProtocol, am.OpenRequest(-1, params.key,
-                                                                                            params.num_partitions)))
+    proto = yield connect_storage_client(reactor, host, admin_port, params.key, params.num_partitions, admin=True)
     yield proto.opened
     return proto
 

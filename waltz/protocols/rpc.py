@@ -146,3 +146,18 @@ class AdminClientProtocol(RequestClientProtocol):
     hello_name = "Waltz Admin Client"
     codec = admin_messages.ADMIN_CODEC
     failure_type = admin_messages.FailureResponse
+
+
+def connect_storage_client(reactor, host, port, cluster_key, num_partitions, admin=False, timeout=5):
+    """Connect to a storage node's storage port (or, with ``admin``, its admin port).
+
+    The connection opens with the cluster's key and partition count; fires with the
+    protocol once connected (``proto.opened`` fires when the node accepted the open).
+    """
+    from twisted.internet import endpoints
+    if admin:
+        factory = RequestClientFactory(AdminClientProtocol, admin_messages.OpenRequest(-1, cluster_key, num_partitions))
+    else:
+        factory = RequestClientFactory(StorageClientProtocol,
+                                       storage_messages.OpenRequest.create(cluster_key, num_partitions))
+    return endpoints.HostnameEndpoint(reactor, host, port, timeout=timeout).connect(factory)
