@@ -218,7 +218,7 @@ def test_without_quorum_the_batch_fails_with_session_closed():
 
 def test_unsettled_batch_is_settled_by_the_next_recovery_and_nothing_is_reported_twice():
     h = Harness(manual=True)
-    partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=2)
+    partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=2, max_batches_in_flight=1)
     partition.open()
     outcomes = {}
     appends = [partition.append(ReqId(1, 1, 0, n), 0, b"d%d" % n, checksum(b"d%d" % n)) for n in range(4)]
@@ -269,3 +269,27 @@ def test_checkpoint_interval_starts_a_new_session():
     assert partition.high_water_mark == 3
     assert partition.sessions_started == 2
     assert h.sessions[0].close_reason.startswith("checkpoint")
+
+
+def test_pipelined_batches_commit_in_order():
+    h = Harness(manual=True)
+    partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=1, max_batches_in_flight=3)
+    partition.open()
+    results = [partition.append(ReqId(1, 1, 0, n), 0, b"x", checksum(b"x")) for n in range(4)]
+    session = h.sessions[0]
+    a, b, c = (session.replicas_by_name[s] for s in STORAGES)
+    assert session.batches_in_flight == 3 and len(a.pending) == 3   # the fourth waits for a free slot
+    for _ in range(3):
+        a.ack()
+    assert not any(d.called for d in results)                       # one replica is not a quorum
+    b.ack()
+    assert [d.called for d in results] == [True, False, False, False]
+    assert len(a.pending) == 1 and a.calls[-1] == ("append", (3,))  # the freed slot sent the fourth
+    b.ack()
+    b.ack()
+    assert [d.result for d in results[:3]] == [0, 1, 2] and partition.high_water_mark == 2
+    a.ack()
+    c.ack()
+    assert results[3].called is False   # c acked batch 0 only: batch 3 has a's ack alone
+    b.ack()
+    assert results[3].result == 3

@@ -61,12 +61,13 @@ class StorePartition:
     log = Logger()
 
     def __init__(self, partition_id, generation, session_factory, reactor, max_batch_size=100,
-                 checkpoint_interval=250_000, retry_interval=0.5):
+                 checkpoint_interval=250_000, retry_interval=0.5, max_batches_in_flight=4):
         self.partition_id = partition_id
         self.generation = generation
         self._session_factory = session_factory
         self.reactor = reactor
         self.max_batch_size = max_batch_size
+        self.max_batches_in_flight = max_batches_in_flight
         self.checkpoint_interval = checkpoint_interval
         self.retry_interval = retry_interval
         self.high_water_mark = -1
@@ -74,7 +75,7 @@ class StorePartition:
         self.closed = False
         self.lost = None
         self._queue = collections.deque()
-        self._in_flight = None        # the batch handed to the session
+        self._in_flight = collections.deque()   # batches handed to the session, oldest first
         self._unsettled = []          # batches whose session died before they committed
         self._listeners = []
         self._flush_waiters = []
@@ -97,7 +98,7 @@ class StorePartition:
         return pending.deferred
 
     def flush(self):
-        if not self._queue and self._in_flight is None and not self._unsettled:
+        if not self._queue and not self._in_flight and not self._unsettled:
             return defer.succeed(self.high_water_mark)
         waiter = defer.Deferred()
         self._flush_waiters.append(waiter)
@@ -177,9 +178,8 @@ class StorePartition:
         if session is not self.session:
             return
         self.session = None
-        if self._in_flight is not None:
-            self._unsettled.append(self._in_flight)
-            self._in_flight = None
+        self._unsettled.extend(self._in_flight)
+        self._in_flight.clear()
         if not self.closed and not self.lost:
             self.reactor.callLater(0, self._start_session)
 
@@ -203,26 +203,28 @@ class StorePartition:
     # -- the write path ----------------------------------------------------------------------
 
     def _pump(self):
-        session = self.session
-        if self._in_flight is not None or not self._queue or session is None or not session.writable:
-            self._check_flush()
-            return
+        while (self._queue and len(self._in_flight) < self.max_batches_in_flight and self.session is not None
+               and self.session.writable):
+            self._send_batch(self.session)
+        self._check_flush()
+
+    def _send_batch(self, session):
         batch = []
-        next_id = self.high_water_mark + 1
+        next_id = self._in_flight[-1][-1].transaction_id + 1 if self._in_flight else self.high_water_mark + 1
         while self._queue and len(batch) < self.max_batch_size:
             pending = self._queue.popleft()
             pending.transaction_id = next_id
             next_id += 1
             batch.append(pending)
-        self._in_flight = batch
+        self._in_flight.append(batch)
         d = session.write([p.record() for p in batch])
         d.addCallbacks(self._committed, self._write_failed, callbackArgs=(batch, session),
                        errbackArgs=(batch,))
 
     def _committed(self, last_id, batch, session):
-        if batch is not self._in_flight:
+        if not self._in_flight or batch is not self._in_flight[0]:
             return
-        self._in_flight = None
+        self._in_flight.popleft()
         self.high_water_mark = last_id
         for pending in batch:
             pending.deferred.callback(pending.transaction_id)
@@ -242,7 +244,7 @@ class StorePartition:
         self._check_flush()
 
     def _check_flush(self):
-        if self._flush_waiters and not self._queue and self._in_flight is None and not self._unsettled:
+        if self._flush_waiters and not self._queue and not self._in_flight and not self._unsettled:
             waiters, self._flush_waiters = self._flush_waiters, []
             for waiter in waiters:
                 waiter.callback(self.high_water_mark)
@@ -263,8 +265,9 @@ class StorePartition:
         """Queued appends fail with ``error``; those sent but unsettled end with :class:`AppendFateUnknown`."""
         queued = list(self._queue)
         self._queue.clear()
-        sent = [p for batch in self._unsettled + ([self._in_flight] if self._in_flight else []) for p in batch]
-        self._unsettled, self._in_flight = [], None
+        sent = [p for batch in self._unsettled + list(self._in_flight) for p in batch]
+        self._unsettled = []
+        self._in_flight.clear()
         unknown = AppendFateUnknown("partition %d: %s; the fate of the append is decided by the next owner"
                                     % (self.partition_id, error))
         for item, outcome in [(p, error) for p in queued] + [(p, unknown) for p in sent]:

@@ -20,6 +20,7 @@ commits, if it reaches quorum), and the store partition starts a new session
 with its own recovery.
 """
 
+import collections
 import enum
 
 import attr
@@ -85,6 +86,7 @@ class StoreSession:
         self.joined = {}
         self._outstanding = {}
         self._close_after_batch = None
+        self._batches = collections.deque()
         self._holding = False
         self._idle_waiters = []
         self._writable_listeners = []
@@ -188,7 +190,7 @@ class StoreSession:
 
     def _idle(self):
         """Fires when no batch is in flight."""
-        if self._batch is None:
+        if not self._batches:
             return defer.succeed(None)
         waiter = defer.Deferred()
         self._idle_waiters.append(waiter)
@@ -212,30 +214,34 @@ class StoreSession:
         self._leave(replica.replica_id.storage, "lost its connection")
 
     def _leave(self, storage, why):
-        """A joined replica left: close now, or after the batch in flight if it can still commit."""
+        """A joined replica left: close now, or after the batches in flight if they can all still commit."""
         if self.state is SessionState.CLOSED:
             return
         reason = "replica %s %s" % (storage, why)
-        if self._batch is not None and self._batch_can_commit():
+        if self._batches and all(self._can_commit(batch) for batch in self._batches):
             self._close_after_batch = reason
         else:
             self.close(reason)
 
     # -- writes ----------------------------------------------------------------------------------
 
-    _batch = None
+    @property
+    def batches_in_flight(self) -> int:
+        return len(self._batches)
 
     def write(self, records) -> defer.Deferred:
         """Send a batch to every joined replica; fires when a quorum stored it durably.
 
-        Fails with :class:`SessionClosed` when the session closes first (the
-        batch's fate is then decided by the next session's recovery).
+        Several batches may be in flight; they commit in the order they were
+        written (each replica acknowledges in order on its connection, so a
+        quorum for a batch implies one for every earlier batch). Fails with
+        :class:`SessionClosed` when the session closes first (the batch's fate
+        is then decided by the next session's recovery).
         """
         if not self.writable:
             return defer.fail(SessionClosed("session %d is not writable (%s)" % (self.session_id, self.state.value)))
-        if self._batch is not None:
-            raise RuntimeError("one batch at a time per store session")
-        batch = self._batch = _Batch(tuple(records))
+        batch = _Batch(tuple(records))
+        self._batches.append(batch)
         for storage, replica in sorted(self.joined.items()):
             if self._outstanding[storage] >= self.max_outstanding_batches:
                 self._leave(storage, "fell %d batches behind" % self._outstanding[storage])
@@ -249,8 +255,8 @@ class StoreSession:
     def _acked(self, _, batch, storage):
         self._outstanding[storage] -= 1
         batch.acks += 1
-        if batch.acks == self.quorum and batch is self._batch:
-            self._commit(batch)
+        while self._batches and self._batches[0].acks >= self.quorum and self.state is not SessionState.CLOSED:
+            self._commit(self._batches.popleft())
 
     def _append_failed(self, failure, batch, storage):
         self._outstanding[storage] -= 1
@@ -259,15 +265,15 @@ class StoreSession:
                       sid=self.session_id, storage=storage, reason=failure.getErrorMessage())
         self._leave(storage, "failed an append: %s" % failure.getErrorMessage())
 
-    def _batch_can_commit(self):
-        batch = self._batch
+    def _can_commit(self, batch):
         pending = len(self.joined) - batch.acks - batch.failures
         return batch.acks + pending >= self.quorum and not batch.deferred.called
 
     def _commit(self, batch):
-        self._batch = None
         self.high_water_mark = batch.records[-1].transaction_id
         batch.deferred.callback(self.high_water_mark)
+        if self._batches:
+            return
         if self._close_after_batch is not None:
             self.close(self._close_after_batch)
         waiters, self._idle_waiters = self._idle_waiters, []
@@ -294,9 +300,10 @@ class StoreSession:
         self.recovery.stop(reason)
         for replica in self.replicas.values():
             replica.close()
-        batch, self._batch = self._batch, None
-        if batch is not None and not batch.deferred.called:
-            batch.deferred.errback(SessionClosed("session %d closed: %s" % (self.session_id, reason)))
+        batches, self._batches = self._batches, collections.deque()
+        for batch in batches:
+            if not batch.deferred.called:
+                batch.deferred.errback(SessionClosed("session %d closed: %s" % (self.session_id, reason)))
         waiters, self._idle_waiters = self._idle_waiters, []
         for waiter in waiters:
             waiter.errback(SessionClosed("session %d closed: %s" % (self.session_id, reason)))

@@ -81,10 +81,11 @@ class Store:
     log = Logger()
 
     def __init__(self, cluster, reactor, max_batch_size=100, checkpoint_interval=250_000, initial_retry=0.1,
-                 max_retry=20.0, metrics=None, recovery_retry_interval=0.5):
+                 max_retry=20.0, metrics=None, recovery_retry_interval=0.5, max_batches_in_flight=4):
         self.cluster = cluster
         self.reactor = reactor
         self.max_batch_size = max_batch_size
+        self.max_batches_in_flight = max_batches_in_flight
         self.checkpoint_interval = checkpoint_interval
         self.initial_retry = initial_retry
         self.max_retry = max_retry
@@ -140,7 +141,8 @@ class Store:
         if existing is not None:
             existing.close()
         partition = StorePartition(partition_id, generation, self.sessions.create_session, self.reactor,
-                                   self.max_batch_size, self.checkpoint_interval, self.recovery_retry_interval)
+                                   self.max_batch_size, self.checkpoint_interval, self.recovery_retry_interval,
+                                   self.max_batches_in_flight)
         self.partitions[partition_id] = partition
         partition.open()
         return partition
