@@ -7,13 +7,32 @@ is locked, a cluster key mismatch...) the reason is logged and the process
 exits with status 1, because a half-started daemon must not look healthy.
 """
 
+import logging
 import os
 
 from twisted.application import service
 from twisted.internet import defer
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 
 log = Logger()
+
+_LEVELS = ((logging.ERROR, LogLevel.error), (logging.WARNING, LogLevel.warn), (logging.INFO, LogLevel.info))
+
+
+class TwistedLogHandler(logging.Handler):
+    """Forwards standard-library log records (kazoo's) to ``twisted.logger``, so they reach the daemon's log."""
+
+    def emit(self, record):
+        level = next((twisted for threshold, twisted in _LEVELS if record.levelno >= threshold), LogLevel.debug)
+        Logger(namespace=record.name).emit(level, "{message}", message=self.format(record))
+
+
+def route_standard_logging(level=logging.INFO):
+    """Send the standard library's log records to ``twisted.logger`` (once per process)."""
+    root = logging.getLogger()
+    if not any(isinstance(h, TwistedLogHandler) for h in root.handlers):
+        root.addHandler(TwistedLogHandler())
+        root.setLevel(level)
 
 
 def exit_after_failure(reactor, failure, what):
@@ -44,6 +63,7 @@ class AsyncStartService(service.MultiService):
 
     def startService(self):
         super().startService()
+        route_standard_logging()
         self.started = defer.maybeDeferred(self.start)
         self.started.addErrback(lambda f: exit_after_failure(self.reactor, f, "%s start-up" % self.name))
 

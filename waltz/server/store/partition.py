@@ -23,6 +23,7 @@ from zope.interface import implementer
 from waltz.interfaces import IStorePartition
 from waltz.protocols.values import Record
 from waltz.server.store.session import SessionClosed, SessionState
+from waltz.zk.errors import GenerationMismatchError
 
 
 class AppendFailed(Exception):
@@ -164,7 +165,6 @@ class StorePartition:
         return None
 
     def _session_failed(self, failure):
-        from waltz.zk.errors import GenerationMismatchError
         if failure.check(GenerationMismatchError):
             self._lose("generation %d is stale: %s" % (self.generation, failure.getErrorMessage()))
             return None
