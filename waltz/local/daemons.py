@@ -144,3 +144,22 @@ def local_storage(run_dir, zookeeper, root, **overrides):
     """A :class:`LocalDaemon` for a storage node (not started)."""
     return LocalDaemon("storage", run_dir, storage_config(run_dir, zookeeper, root, **overrides),
                        "storage.http.port")
+
+
+def server_config(zookeeper, root, host="127.0.0.1", **overrides):
+    """A server config on free loopback ports, advertising ``host`` to clients."""
+    config = {
+        "zookeeper.connectString": zookeeper,
+        "cluster.root": root,
+        "server.bindAddress": host,
+        "server.host": host,
+        "server.port": free_port(host),
+        "server.http.port": free_port(host),
+    }
+    config.update(overrides)
+    return config
+
+
+def local_server(run_dir, zookeeper, root, **overrides):
+    """A :class:`LocalDaemon` for a Waltz server (not started)."""
+    return LocalDaemon("server", run_dir, server_config(zookeeper, root, **overrides), "server.http.port")

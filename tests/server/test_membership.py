@@ -1,0 +1,283 @@
+"""Server membership against the real ZooKeeper: several ``ServerMembership`` objects in this
+process, each on its own ZooKeeper session, over one test cluster (4 partitions); and, on dummies,
+how the server opens and closes partitions as its assignment changes."""
+
+import random
+
+import pytest
+import pytest_twisted
+from kazoo.client import KazooClient
+from twisted.internet import defer, reactor, task
+
+from tests.conftest import TEST_PARTITIONS, zk_client_for
+from waltz.server.assignment import partitions_of
+from waltz.server.membership import InvalidPartitions, MembershipState, ServerMembership
+from waltz.server.service import ServerPartitions
+from waltz.zk.metadata import ClusterMetadata
+
+
+async def until(condition, what, timeout=20.0):
+    """Poll ``condition()`` on the reactor until it holds; fail naming ``what`` after ``timeout``."""
+    deadline = reactor.seconds() + timeout
+    while not condition():
+        if reactor.seconds() > deadline:
+            raise AssertionError("timed out after %.0f s waiting for %s" % (timeout, what))
+        await task.deferLater(reactor, 0.02, lambda: None)
+
+
+class Servers:
+    """Starts memberships on sessions of their own; records what each is told; stops them all."""
+
+    def __init__(self, zookeeper, root):
+        self.zookeeper = zookeeper
+        self.root = root
+        self.started = []   # (membership, client)
+        self.reports = {}   # membership -> list of {partition: generation}
+
+    async def start(self, port, preferred=(), seed=0):
+        client = zk_client_for(self.zookeeper)
+        await client.connect()
+        reports = []
+        membership = ServerMembership(ClusterMetadata(client, self.root), "127.0.0.1", port, reports.append,
+                                      preferred, reactor=reactor, rng=random.Random(seed), retry_interval=0.05)
+        self.started.append((membership, client))
+        self.reports[membership] = reports
+        await membership.start()
+        return membership
+
+    def client(self, membership):
+        return dict(self.started)[membership]
+
+    async def kill(self, membership):
+        """End the membership's ZooKeeper session as a crash would (no clean unregister)."""
+        await self.client(membership).close()
+
+    async def expire(self, membership):
+        """Expire the session from outside: another client attaches to it and closes it."""
+        session_id, password = self.client(membership).kazoo.client_id
+
+        def expire(_kazoo):
+            thief = KazooClient(hosts=self.zookeeper.connect_string, client_id=(session_id, password))
+            thief.start(5)
+            thief.stop()
+            thief.close()
+        await self.client(membership).run_blocking(expire)
+
+    async def stop(self):
+        for membership, client in reversed(self.started):
+            await membership.stop()
+            if client.connected:
+                await client.close()
+
+
+@pytest_twisted.async_yield_fixture
+async def servers(zookeeper, cluster_root, cluster_metadata):
+    """A :class:`Servers` on the test's cluster; every membership and session is stopped after."""
+    group = Servers(zookeeper, cluster_root)
+    yield group
+    await group.stop()
+
+
+async def stored_assignment(cluster_metadata):
+    versioned = await cluster_metadata.partition_assignment()
+    return versioned.value, versioned.stat
+
+
+async def settled(cluster_metadata, memberships, what):
+    """Wait until the stored assignment is current, covers every partition, and every membership
+    has adopted it; returns it."""
+    state = {}
+
+    async def check():
+        value, stat = await stored_assignment(cluster_metadata)
+        state["value"] = value
+        return (value.cversion == stat.cversion
+                and sorted(i.partition_id for _, infos in value.servers for i in infos) == list(range(TEST_PARTITIONS))
+                and {s for s, _ in value.servers} == {m.server_id for m in memberships}
+                and all(m.partitions == partitions_of(value, m.server_id) for m in memberships))
+
+    deadline = reactor.seconds() + 20
+    while not await check():
+        if reactor.seconds() > deadline:
+            raise AssertionError("timed out waiting for %s; stored %r; members %r" % (
+                what, state.get("value"), [(m.server_id, m.state, m.partitions) for m in memberships]))
+        await task.deferLater(reactor, 0.02, lambda: None)
+    return state["value"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_lone_server_gets_every_partition_at_generation_one(servers, cluster_metadata):
+    a = await servers.start(5001)
+    value = await settled(cluster_metadata, [a], "server 1 to hold everything")
+    assert a.state is MembershipState.MEMBER
+    assert a.server_id == 1 and a.is_coordinator
+    assert a.partitions == {pid: 1 for pid in range(TEST_PARTITIONS)}
+    assert servers.reports[a][-1] == a.partitions
+    descriptors = await cluster_metadata.server_descriptors()
+    assert [d for _, d in descriptors] == [a.descriptor]
+    assert (descriptors[0][1].host, descriptors[0][1].port) == ("127.0.0.1", 5001)
+    assert value.num_partitions == TEST_PARTITIONS
+
+
+@pytest_twisted.ensureDeferred
+async def test_two_servers_split_and_the_lowest_id_coordinates(servers, cluster_metadata):
+    a = await servers.start(5001)
+    await settled(cluster_metadata, [a], "server 1 alone")
+    written_by_a = a.assignments_written
+    b = await servers.start(5002, seed=1)
+    value = await settled(cluster_metadata, [a, b], "the split")
+    assert (a.server_id, b.server_id) == (1, 2)
+    assert a.is_coordinator and not b.is_coordinator
+    assert a.assignments_written > written_by_a and b.assignments_written == 0
+    assert len(a.partitions) == len(b.partitions) == TEST_PARTITIONS // 2
+    # a kept its partitions at generation 1; the ones that moved to b are at 2
+    assert set(a.partitions.values()) == {1}
+    assert set(b.partitions.values()) == {2}
+    assert value == (await stored_assignment(cluster_metadata))[0]
+
+
+@pytest_twisted.ensureDeferred
+async def test_killing_a_session_moves_its_partitions_with_bumped_generations(servers, cluster_metadata):
+    a = await servers.start(5001)
+    b = await servers.start(5002, seed=1)
+    await settled(cluster_metadata, [a, b], "the split")
+    before_a, before_b = dict(a.partitions), dict(b.partitions)
+
+    await servers.kill(a)  # the coordinator dies: b takes over
+    await settled(cluster_metadata, [b], "b to take everything")
+    assert b.is_coordinator and b.assignments_written >= 1
+    assert b.partitions == {**before_b, **{pid: g + 1 for pid, g in before_a.items()}}
+    assert servers.reports[b][-1] == b.partitions
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_non_coordinator_leaving_is_handled_by_the_coordinator(servers, cluster_metadata):
+    a = await servers.start(5001)
+    b = await servers.start(5002, seed=1)
+    await settled(cluster_metadata, [a, b], "the split")
+    before_a, before_b = dict(a.partitions), dict(b.partitions)
+    await servers.kill(b)
+    await settled(cluster_metadata, [a], "a to take everything back")
+    assert a.partitions == {**before_a, **{pid: g + 1 for pid, g in before_b.items()}}
+
+
+@pytest_twisted.ensureDeferred
+async def test_after_session_expiry_the_server_registers_again_with_the_same_id(servers, cluster_metadata):
+    a = await servers.start(5001)
+    b = await servers.start(5002, seed=1)
+    await settled(cluster_metadata, [a, b], "the split")
+    old_znode, old_session = b.znode, servers.client(b).session_id
+
+    await servers.expire(b)
+    await until(lambda: servers.client(b).session_id not in (None, old_session)
+                and b.state is MembershipState.MEMBER and b.znode not in (None, old_znode),
+                "b to register again in a new session")
+    value = await settled(cluster_metadata, [a, b], "the split after b came back")
+    assert b.server_id == 2
+    assert len(b.partitions) == TEST_PARTITIONS // 2
+    descriptors = await cluster_metadata.server_descriptors()
+    assert sorted(d.server_id for _, d in descriptors) == [1, 2], "exactly one descriptor per server"
+    # b's partitions went to a (+1) while it was away, and whatever came back to b moved again (+1)
+    assert min(g for _, infos in value.servers for g in [i.generation for i in infos]) >= 1
+    assert all(g >= 2 for g in b.partitions.values())
+
+
+@pytest_twisted.ensureDeferred
+async def test_preferred_partitions_are_claimed_and_released(servers, cluster_metadata):
+    a = await servers.start(5001)
+    b = await servers.start(5002, seed=1)
+    await settled(cluster_metadata, [a, b], "the split")
+    wanted = sorted(a.partitions)[:1]
+    assert await b.add_preferred_partitions(wanted) is True
+    await until(lambda: wanted[0] in b.partitions, "b to get its preferred partition %d" % wanted[0])
+    await settled(cluster_metadata, [a, b], "the rebalanced split")
+    descriptors = dict((d.server_id, d) for _, d in await cluster_metadata.server_descriptors())
+    assert descriptors[2].preferred_partitions == tuple(wanted)
+    assert len(descriptors) == 2
+    assert await b.remove_preferred_partitions(wanted) is True
+    await until(lambda: b.descriptor.preferred_partitions == (), "b to drop its preference")
+    with pytest.raises(InvalidPartitions, match="not in 0..3"):
+        await b.add_preferred_partitions([TEST_PARTITIONS])
+
+
+@pytest_twisted.ensureDeferred
+async def test_preferred_partition_given_at_start(servers, cluster_metadata):
+    a = await servers.start(5001)
+    await settled(cluster_metadata, [a], "a alone")
+    b = await servers.start(5002, preferred=(3,), seed=1)
+    await settled(cluster_metadata, [a, b], "the split")
+    assert 3 in b.partitions and b.partitions[3] == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_stop_unregisters_so_the_others_take_over_at_once(servers, cluster_metadata):
+    a = await servers.start(5001)
+    b = await servers.start(5002, seed=1)
+    await settled(cluster_metadata, [a, b], "the split")
+    await a.stop()
+    assert a.state is MembershipState.STOPPED
+    await settled(cluster_metadata, [b], "b to take everything after a stopped cleanly")
+
+
+# --- what the server does with its assignment (waltz/server/service.py) ------------------------------
+
+
+class DummyStore:
+    """Records the store partitions handed out and closed."""
+
+    def __init__(self):
+        self.opened, self.closed = [], []
+
+    def partition(self, partition_id, generation):
+        self.opened.append((partition_id, generation))
+        return ("store", partition_id, generation)
+
+    def close_partition(self, partition_id):
+        self.closed.append(partition_id)
+        return defer.succeed(None)
+
+
+class DummyPartition:
+    def __init__(self, partition_id, generation, store):
+        self.partition_id, self.generation, self.store = partition_id, generation, store
+        self.started = defer.Deferred()
+        self.closed = False
+        self.healthy = False
+
+    def start(self):
+        return self.started
+
+    def close(self):
+        self.closed = True
+
+
+def test_server_partitions_follow_the_assignment():
+    store, made = DummyStore(), []
+
+    def factory(partition_id, generation, store_partition):
+        made.append(DummyPartition(partition_id, generation, store_partition))
+        return made[-1]
+    partitions = ServerPartitions(store, factory)
+
+    partitions.assign({0: 1, 1: 1})
+    first, second = made
+    assert store.opened == [(0, 1), (1, 1)] and first.store == ("store", 0, 1)
+    assert partitions.partition(0) is None, "not ready before start() fired"
+    assert partitions.problems() == ["partition 0 (generation 1): the store is not writing",
+                                     "partition 1 (generation 1): the store is not writing"]
+    first.started.callback(first)
+    first.healthy = True
+    assert partitions.partition(0) is first and partitions.partition(1) is None
+    second.started.errback(RuntimeError("generation 1 is stale"))
+    assert partitions.problems() == ["partition 1 (generation 1) failed to start: generation 1 is stale"]
+
+    partitions.assign({0: 1, 1: 2, 2: 1})  # 1 at a new generation, 2 new, 0 unchanged
+    assert second.closed and not first.closed and store.closed == [1]
+    assert store.opened[2:] == [(1, 2), (2, 1)]
+    assert partitions.partition(0) is first and partitions.partition(1) is None
+    assert [p.generation for p in made[2:]] == [2, 1]
+
+    partitions.assign({2: 1})  # 0 and 1 move away
+    assert first.closed and made[2].closed and not made[3].closed
+    assert sorted(store.closed) == [0, 1, 1]
+    assert partitions.partition(0) is None and sorted(partitions.opened) == [2]

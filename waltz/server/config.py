@@ -1,0 +1,115 @@
+"""The server daemon's configuration keys, defaults and validation.
+
+The keys and defaults are the original's (``WaltzServerConfig``), except:
+
+* ``server.http.port`` is the original's ``server.jetty.port`` (like the storage's
+  ``storage.http.port``), with the shipped default 55182;
+* ``server.bindAddress`` and ``server.host`` are this project's: the address the
+  ports bind to, and the host the server advertises in its ZooKeeper descriptor
+  for clients to connect to (the original advertised the machine's canonical
+  host name). ``server.host`` defaults to ``127.0.0.1`` because this project runs
+  clusters on one machine; set it to a name clients can reach in production;
+* ``server.preferredPartitions`` (a list, or ``"0,2,5"``) is the original's
+  preferred partitions of a managed server, which it only took through the CLI;
+* ``server.maxFrameSize`` is this project's, as for the storage;
+* the retry intervals are milliseconds in the file, as in the original.
+"""
+
+from waltz.config import (ZOOKEEPER_KEYS, ConfigError, Key, check_distinct_ports, load_config,
+                          non_negative_int, port, positive_int)
+from waltz.server.caches import HEADER_BYTES, FeedCache
+
+MIB = 1024 * 1024
+#: The feed cache must hold at least one block of headers.
+MIN_FEED_CACHE_SIZE = FeedCache.BLOCK_SIZE * HEADER_BYTES
+
+
+def feed_cache_size(value):
+    """Bytes of the feed cache: at least one block of headers."""
+    number = positive_int(value)
+    if number < MIN_FEED_CACHE_SIZE:
+        raise ValueError("expected at least %d bytes (one block of %d headers), got %d"
+                         % (MIN_FEED_CACHE_SIZE, FeedCache.BLOCK_SIZE, number))
+    return number
+
+
+def partition_ids(value):
+    """A list of partition ids: a YAML list of integers, or a string ``"0,2,5"``."""
+    if isinstance(value, str):
+        items = [item.strip() for item in value.split(",") if item.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ValueError("expected a list of partition ids")
+    ids = []
+    for item in items:
+        if isinstance(item, bool):
+            raise ValueError("expected partition ids, got %r" % item)
+        try:
+            number = int(item)
+        except (TypeError, ValueError):
+            raise ValueError("expected partition ids, got %r" % item) from None
+        if number < 0:
+            raise ValueError("a partition id cannot be negative, got %d" % number)
+        ids.append(number)
+    return tuple(sorted(set(ids)))
+
+
+def host_name(value):
+    """A non-empty host name or address."""
+    text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    if not text:
+        raise ValueError("expected a host name or address")
+    return text
+
+
+SERVER_KEYS = ZOOKEEPER_KEYS + (
+    Key("server.port", port, 55180, "port for Waltz clients (protocol L)"),
+    Key("server.http.port", port, 55182, "port for /ping, /health and /metrics"),
+    Key("server.bindAddress", host_name, "0.0.0.0", "address the two ports bind to"),
+    Key("server.host", host_name, "127.0.0.1", "host name or address advertised to clients in ZooKeeper"),
+    Key("server.preferredPartitions", partition_ids, (), "partitions this server asks for first"),
+    Key("server.optimisticLockTableSize", positive_int, 30000, "lock table slots per partition"),
+    Key("server.feedCacheSize", feed_cache_size, 64 * MIB, "bytes of transaction headers cached for feeds"),
+    Key("server.transactionDataCacheSize", non_negative_int, 128 * MIB, "bytes of transaction data cached"),
+    Key("server.minFetchSize", non_negative_int, 100, "feed items granted per feed request at least"),
+    Key("server.realtimeThreshold", positive_int, 1000, "feeds closer than this to the end are realtime"),
+    Key("server.maxFrameSize", positive_int, 64 * MIB, "largest accepted client frame in bytes"),
+    Key("storage.maxBatchSize", positive_int, 100, "appends per replicated batch"),
+    Key("storage.initialRetryInterval", positive_int, 100, "first storage reconnect delay, ms"),
+    Key("storage.maxRetryInterval", positive_int, 20000, "longest storage reconnect delay, ms"),
+    Key("storage.checkpointInterval", positive_int, 250000,
+        "transactions after which a store session is closed and a new one recovered"),
+)
+
+PORT_KEYS = ("server.port", "server.http.port")
+
+
+def check_server_config(config):
+    """Cross-key checks: distinct ports, retry bounds, ``minFetchSize < realtimeThreshold``."""
+    check_distinct_ports(config, PORT_KEYS)
+    if config["server.minFetchSize"] >= config["server.realtimeThreshold"]:
+        raise ConfigError("config key 'server.minFetchSize': %d must be smaller than "
+                          "'server.realtimeThreshold' (%d)"
+                          % (config["server.minFetchSize"], config["server.realtimeThreshold"]))
+    if config["storage.initialRetryInterval"] > config["storage.maxRetryInterval"]:
+        raise ConfigError("config key 'storage.initialRetryInterval': %d ms is above "
+                          "'storage.maxRetryInterval' (%d ms)"
+                          % (config["storage.initialRetryInterval"], config["storage.maxRetryInterval"]))
+    return config
+
+
+def partition_settings(config):
+    """The :class:`~waltz.server.partition.PartitionSettings` of a validated server config."""
+    from waltz.server.partition import PartitionSettings
+    return PartitionSettings(
+        lock_table_size=config["server.optimisticLockTableSize"],
+        feed_cache_size=config["server.feedCacheSize"],
+        transaction_data_cache_size=config["server.transactionDataCacheSize"],
+        min_fetch_size=config["server.minFetchSize"],
+        realtime_threshold=config["server.realtimeThreshold"])
+
+
+def load_server_config(path):
+    """Read and validate a server config file; :class:`ConfigError` names a bad key."""
+    return check_server_config(load_config(path, SERVER_KEYS))

@@ -1,0 +1,307 @@
+"""Cluster membership of a Waltz server: its id, its descriptor znode, and the partition assignment.
+
+A :class:`ServerMembership` (the original's ``ClusterManagerImpl`` on the
+server side):
+
+* allocates the server id once (the ``<root>/ids/server`` counter);
+* registers the server's ephemeral-sequential descriptor under
+  ``<root>/serverDescriptors`` (id, advertised host and port, preferred
+  partitions);
+* watches both the children and the data of ``serverDescriptors`` and, at
+  every change, *reconciles*: it reads the stored assignment with its stat,
+  then the live descriptors. When the stored assignment's cversion equals the
+  znode's children version the assignment is current, and this server's
+  ``{partition: generation}`` is reported to ``on_assignment`` (only when it
+  changed). Otherwise the live server with the lowest id, the coordinator,
+  computes a new assignment (:func:`waltz.server.assignment.compute_assignment`)
+  and writes it with a version check; a conflicting write makes it start over.
+  The write changes the znode's data, so every server reconciles again and
+  adopts it;
+* after the ZooKeeper session *expired* (its descriptor is gone) it registers
+  again, with the same server id, as soon as a new session is connected.
+
+States (:class:`MembershipState`), changed only through ``_enter``:
+``NEW -> JOINING -> MEMBER``, ``MEMBER -> REJOINING -> MEMBER`` after an
+expiry, and ``STOPPED`` from any state. Everything runs on the reactor thread.
+"""
+
+import enum
+import random as random_module
+
+from kazoo.exceptions import BadVersionError, NoNodeError
+from twisted.internet import defer
+from twisted.logger import Logger
+
+from waltz.server.assignment import compute_assignment, partitions_of
+from waltz.zk.bridge import SessionState
+from waltz.zk.errors import swallow
+from waltz.zk.znodes import ServerDescriptor
+
+
+class MembershipState(enum.Enum):
+    NEW = "new"
+    JOINING = "joining"        # allocating the server id, registering the descriptor
+    MEMBER = "member"          # registered; watching membership and assignment
+    REJOINING = "rejoining"    # the session expired: waiting for a new one to register again
+    STOPPED = "stopped"
+
+
+class InvalidPartitions(ValueError):
+    """Preferred partition ids outside ``0 .. numPartitions - 1``."""
+
+
+class ServerMembership:
+    """One server's membership in the cluster of ``cluster`` (a :class:`ClusterMetadata`).
+
+    ``on_assignment(partitions)`` is called on the reactor thread with this
+    server's ``{partition id: generation}`` each time its part of a current
+    assignment changes. ``rng`` shuffles the assignment lists (tests inject one);
+    ``retry_interval`` (seconds) spaces retries after ZooKeeper errors.
+    """
+
+    log = Logger()
+
+    def __init__(self, cluster, host, port, on_assignment, preferred_partitions=(), reactor=None, rng=None,
+                 retry_interval=0.5):
+        if reactor is None:
+            from twisted.internet import reactor
+        self.cluster = cluster
+        self.host = host
+        self.port = port
+        self.preferred_partitions = tuple(sorted(set(preferred_partitions)))
+        self.on_assignment = on_assignment
+        self.reactor = reactor
+        self.rng = rng or random_module.Random()
+        self.retry_interval = retry_interval
+        self.state = MembershipState.NEW
+        self.server_id = None
+        self.num_partitions = None
+        self.znode = None              # path of our descriptor while registered
+        self.assignment = None         # the last current PartitionAssignment seen
+        self.partitions = {}           # our part of it: partition id -> generation
+        self.members = {}              # live server id -> ServerDescriptor, at the last reconcile
+        self.reconciles = 0            # completed reconcile passes
+        self.assignments_written = 0   # assignments this server wrote as the coordinator
+        self._watches = []
+        self._listening = False
+        self._rejoining = False
+        self._reconciling = False
+        self._reconcile_again = False
+        self._retry_call = None
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def _enter(self, state):
+        if state is not self.state:
+            self.log.info("server {id} membership: {old} -> {new}", id=self.server_id, old=self.state.value,
+                          new=state.value)
+            self.state = state
+
+    @property
+    def descriptor(self):
+        """This server's :class:`ServerDescriptor` (``None`` before it has an id)."""
+        if self.server_id is None:
+            return None
+        return ServerDescriptor(self.server_id, self.host, self.port, self.preferred_partitions)
+
+    @property
+    def is_coordinator(self):
+        """Whether this server has the lowest id among the live servers (at the last reconcile)."""
+        return bool(self.members) and min(self.members) == self.server_id
+
+    # --- start and stop -------------------------------------------------------------------------
+
+    @defer.inlineCallbacks
+    def start(self):
+        """Allocate the id, register, and watch; fires once the watches are set."""
+        self._enter(MembershipState.JOINING)
+        params = yield self.cluster.cluster_params()
+        self.num_partitions = params.num_partitions
+        self._check_partitions(self.preferred_partitions)
+        self.server_id = yield self.cluster.allocate_server_id()
+        self.cluster.zk.add_state_listener(self._session_changed)
+        self._listening = True
+        yield self._register()
+        self._enter(MembershipState.MEMBER)
+        path = self.cluster.paths.server_descriptors
+        self._watches.append((yield self.cluster.zk.watch_children(path, self._membership_changed)))
+        self._watches.append((yield self.cluster.zk.watch_data(path, self._assignment_changed)))
+        return self
+
+    @defer.inlineCallbacks
+    def _register(self):
+        self.znode = yield self.cluster.register_server(self.descriptor)
+        self.log.info("server {id} registered as {znode} ({host}:{port}, preferred partitions {preferred})",
+                      id=self.server_id, znode=self.znode, host=self.host, port=self.port,
+                      preferred=list(self.preferred_partitions))
+
+    @defer.inlineCallbacks
+    def stop(self):
+        """Stop watching and remove the descriptor (when the session still allows)."""
+        if self.state is MembershipState.STOPPED:
+            return
+        self._enter(MembershipState.STOPPED)
+        for handle in self._watches:
+            handle.cancel()
+        self._watches = []
+        if self._retry_call is not None and self._retry_call.active():
+            self._retry_call.cancel()
+        if self._listening:
+            self._listening = False
+            self.cluster.zk.remove_state_listener(self._session_changed)
+        znode, self.znode = self.znode, None
+        if znode is not None and self.cluster.zk.connected:
+            try:
+                yield self.cluster.zk.delete(znode).addErrback(swallow, NoNodeError)
+            except Exception as exc:
+                self.log.warn("could not delete {znode}: {error}", znode=znode, error=exc)
+
+    # --- session -------------------------------------------------------------------------------
+
+    def _session_changed(self, state):
+        if state == SessionState.EXPIRED and self.state in (MembershipState.MEMBER, MembershipState.REJOINING):
+            self.znode = None
+            self._enter(MembershipState.REJOINING)
+        elif state == SessionState.CONNECTED and self.state is MembershipState.REJOINING:
+            self._rejoin()
+
+    def _rejoin(self):
+        if self._rejoining:
+            return  # a registration is on its way; _rejoined checks it landed in this session
+        self._rejoining = True
+        session = self.cluster.zk.session_id
+        d = self._register()
+        d.addBoth(self._rejoin_done)
+        d.addCallbacks(self._rejoined, self._rejoin_failed, callbackArgs=(session,))
+
+    def _rejoin_done(self, result):
+        self._rejoining = False
+        return result
+
+    def _rejoined(self, _, session):
+        if self.state is not MembershipState.REJOINING:
+            return
+        if self.cluster.zk.session_id != session:
+            self._rejoin()  # that session expired too: its descriptor is gone already
+            return
+        self._enter(MembershipState.MEMBER)
+        self.request_reconcile()
+
+    def _rejoin_failed(self, failure):
+        if self.state is not MembershipState.REJOINING:
+            return
+        self.log.warn("server {id} could not register again: {error}; retrying", id=self.server_id,
+                      error=failure.getErrorMessage())
+        if self.cluster.zk.connected:
+            self._retry_call = self.reactor.callLater(self.retry_interval, self._rejoin)
+
+    # --- reconciling -----------------------------------------------------------------------------
+
+    def _membership_changed(self, children):
+        self.request_reconcile()
+
+    def _assignment_changed(self, data, stat):
+        self.request_reconcile()
+
+    def request_reconcile(self):
+        """Reconcile now, or once more after the pass in progress."""
+        self._reconcile_again = True
+        if not self._reconciling:
+            self._reconcile_loop()
+
+    @defer.inlineCallbacks
+    def _reconcile_loop(self):
+        self._reconciling = True
+        try:
+            while self._reconcile_again and self.state is MembershipState.MEMBER:
+                self._reconcile_again = False
+                try:
+                    yield self._reconcile()
+                except BadVersionError:
+                    self.log.info("server {id}: the assignment changed while being rewritten; again",
+                                  id=self.server_id)
+                    self._reconcile_again = True
+                except Exception as exc:
+                    self.log.warn("server {id}: reconciling the partition assignment failed: {error!r}; "
+                                  "retrying in {delay} s", id=self.server_id, error=exc, delay=self.retry_interval)
+                    self._schedule_retry()
+        finally:
+            self._reconciling = False
+
+    def _schedule_retry(self):
+        if self._retry_call is None or not self._retry_call.active():
+            self._retry_call = self.reactor.callLater(self.retry_interval, self.request_reconcile)
+
+    @defer.inlineCallbacks
+    def _reconcile(self):
+        # The assignment first: its stat's cversion is then never newer than the descriptors read
+        # after it, so a membership change in between is seen again at the next watch event.
+        versioned = yield self.cluster.partition_assignment()
+        current, stat = versioned.value, versioned.stat
+        descriptors = yield self.cluster.server_descriptors()
+        self.members = {}
+        for _, descriptor in descriptors:
+            self.members.setdefault(descriptor.server_id, descriptor)
+        if current.cversion == stat.cversion:
+            self._adopt(current)
+        elif self.is_coordinator:
+            yield self._rewrite(current, stat)
+        self.reconciles += 1
+
+    @defer.inlineCallbacks
+    def _rewrite(self, current, stat):
+        new = compute_assignment(stat.cversion, current, self.num_partitions, self.members.values(), self.rng)
+        yield self.cluster.write_partition_assignment(new, stat.version)
+        self.assignments_written += 1
+        self.log.info("server {id} (coordinator) assigned partitions for cversion {cversion}: {servers}",
+                      id=self.server_id, cversion=stat.cversion,
+                      servers={s: sorted((i.partition_id, i.generation) for i in infos) for s, infos in new.servers})
+
+    def _adopt(self, assignment):
+        self.assignment = assignment
+        mine = partitions_of(assignment, self.server_id)
+        if mine == self.partitions:
+            return
+        self.partitions = mine
+        self.log.info("server {id} is assigned partitions {partitions}", id=self.server_id,
+                      partitions=sorted(mine.items()))
+        self.on_assignment(dict(mine))
+
+    # --- preferred partitions -----------------------------------------------------------------------
+
+    def _check_partitions(self, partition_ids):
+        bad = sorted(p for p in partition_ids if not 0 <= p < self.num_partitions)
+        if bad:
+            raise InvalidPartitions("partition ids %s are not in 0..%d" % (bad, self.num_partitions - 1))
+
+    def add_preferred_partitions(self, partition_ids):
+        """Prefer these partitions too; fires with ``True`` once the descriptor says so."""
+        return self.set_preferred_partitions(set(self.preferred_partitions) | set(partition_ids))
+
+    def remove_preferred_partitions(self, partition_ids):
+        """Stop preferring these partitions; fires with ``True`` once the descriptor says so."""
+        return self.set_preferred_partitions(set(self.preferred_partitions) - set(partition_ids))
+
+    @defer.inlineCallbacks
+    def set_preferred_partitions(self, partition_ids):
+        """Replace the preferred partitions and re-register the descriptor (one multi-op: the old
+        znode goes, a new one comes), so the coordinator recomputes the assignment.
+
+        Fails with :class:`InvalidPartitions` for ids outside the cluster's partitions.
+        """
+        self._check_partitions(partition_ids)
+        preferred = tuple(sorted(set(partition_ids)))
+        if preferred == self.preferred_partitions:
+            return True
+        self.preferred_partitions = preferred
+        if self.state is not MembershipState.MEMBER or self.znode is None:
+            return True  # registering (again) will use the new descriptor
+        txn = self.cluster.zk.transaction()
+        txn.delete(self.znode)
+        txn.create(self.cluster.paths.server_descriptor_prefix, self.descriptor.encode(), ephemeral=True,
+                   sequence=True)
+        results = yield txn.commit()
+        self.znode = results[1]
+        self.log.info("server {id} re-registered as {znode} with preferred partitions {preferred}",
+                      id=self.server_id, znode=self.znode, preferred=list(preferred))
+        return True

@@ -1,0 +1,348 @@
+"""The Waltz server daemon: ZooKeeper, the store, membership, the partitions it serves, two ports.
+
+:class:`WaltzServerService` starts, in ``startService`` (after twistd forked):
+
+1. a ZooKeeper session; the cluster must exist and ``<root>`` and ``<root>/store``
+   must agree on the partition count;
+2. the :class:`~waltz.server.store.store.Store` (storage connections, replica
+   assignment watch);
+3. the client port (``server.port``, protocol ``L``, :class:`ServerFactory`) and
+   the HTTP port (``server.http.port``: ``/ping``, ``/health``, ``/metrics``);
+4. only then its :class:`~waltz.server.membership.ServerMembership`: it
+   registers the server, so clients find it only once it listens.
+
+From then on :class:`ServerPartitions` opens a
+:class:`~waltz.server.partition.ServerPartition` (on ``store.partition(pid,
+generation)``) for each partition the assignment gives this server, and closes
+(with its store partition) each one that moves away or changes generation.
+It is the ``registry`` the client protocol asks for partitions;
+:class:`ServerInfo` answers the admin-ish client requests.
+
+A failure during start-up is logged and ends the process with status 1.
+"""
+
+import time
+
+from twisted.application import internet
+from twisted.internet import defer
+from twisted.logger import Logger
+
+from waltz.config import ConfigError
+from waltz.daemon import AsyncStartService
+from waltz.http import health_site
+from waltz.metrics import Registry
+from waltz.server.caches import FeedCache, TransactionDataCache
+from waltz.server.config import partition_settings
+from waltz.server.membership import InvalidPartitions, MembershipState, ServerMembership
+from waltz.server.partition import PartitionMetrics, ServerPartition
+from waltz.server.protocol import ServerFactory
+from waltz.server.store.metrics import StoreMetrics
+from waltz.server.store.store import Store
+from waltz.zk.bridge import SessionState, ZooKeeperClient
+from waltz.zk.metadata import ClusterMetadata
+
+
+class ClusterMismatch(Exception):
+    """The cluster's znodes disagree with each other (e.g. on the partition count)."""
+
+
+def server_partition_factory(config, reactor, registry):
+    """``factory(partition_id, generation, store_partition)`` -> a new :class:`ServerPartition`.
+
+    All partitions of the server share one feed cache, one transaction data cache (sized by
+    the config, as in the original) and one set of partition metrics in ``registry``.
+    """
+    settings = partition_settings(config)
+    metrics = PartitionMetrics(registry)
+    feed_cache = FeedCache(settings.feed_cache_size)
+    data_cache = TransactionDataCache(settings.transaction_data_cache_size)
+
+    def make(partition_id, generation, store_partition):
+        return ServerPartition(partition_id, generation, store_partition, settings, reactor, metrics=metrics,
+                               feed_cache=feed_cache, data_cache=data_cache)
+    return make
+
+
+class ServerMetrics:
+    """The server's own metrics (the store's are :class:`StoreMetrics` in the same registry)."""
+
+    def __init__(self, registry, service):
+        registry.gauge("waltz_server_id", "this server's id (-1 before it has one)",
+                       function=lambda: service.server_id if service.server_id is not None else -1)
+        registry.gauge("waltz_server_zookeeper_connected", "1 while the ZooKeeper session is connected",
+                       function=lambda: int(service.zookeeper_state == SessionState.CONNECTED))
+        registry.gauge("waltz_server_coordinator", "1 while this server coordinates the partition assignment",
+                       function=lambda: int(service.membership is not None and service.membership.is_coordinator))
+        registry.gauge("waltz_server_partitions", "partitions assigned to this server",
+                       function=lambda: len(service.partitions.opened) if service.partitions else 0)
+        registry.gauge("waltz_server_ready_partitions", "assigned partitions ready to serve clients",
+                       function=lambda: len(service.partitions.ready) if service.partitions else 0)
+        self.generation = registry.gauge("waltz_server_partition_generation",
+                                         "generation of each partition this server holds", ("partition",))
+        self.assignment_changes = registry.counter("waltz_server_assignment_changes_total",
+                                                   "changes of this server's partition assignment")
+        self.partition_opens = registry.counter("waltz_server_partition_opens_total",
+                                                "partitions opened (assigned or at a new generation)")
+        self.partition_closes = registry.counter("waltz_server_partition_closes_total",
+                                                 "partitions closed (moved away or at a new generation)")
+
+
+class ServerPartitions:
+    """The partitions this server serves, opened and closed as its assignment changes.
+
+    The ``registry`` of the client protocol: :meth:`partition` gives a partition
+    only once it is ready (its store partition is writing); :meth:`server_info`
+    the :class:`ServerInfo`.
+    """
+
+    log = Logger()
+
+    def __init__(self, store, factory, metrics=None):
+        self.store = store
+        self.factory = factory      # (partition id, generation, store partition) -> ServerPartition
+        self.metrics = metrics
+        self.opened = {}            # partition id -> ServerPartition
+        self.ready = set()          # partition ids whose start() fired
+        self.failures = {}          # partition id -> why its start failed
+        self.info = None
+
+    # --- the registry contract ------------------------------------------------------------------
+
+    def partition(self, partition_id):
+        """The partition if it is assigned here and ready, else ``None`` (mount: NOT_READY)."""
+        return self.opened.get(partition_id) if partition_id in self.ready else None
+
+    def server_info(self):
+        return self.info
+
+    # --- following the assignment ----------------------------------------------------------------
+
+    def assign(self, assigned):
+        """Serve exactly ``assigned`` (``{partition id: generation}``)."""
+        for partition_id in sorted(self.opened):
+            generation = assigned.get(partition_id)
+            if generation != self.opened[partition_id].generation:
+                self._close(partition_id, "moved away" if generation is None else "new generation %d" % generation)
+        for partition_id, generation in sorted(assigned.items()):
+            if partition_id not in self.opened:
+                self._open(partition_id, generation)
+
+    def _open(self, partition_id, generation):
+        self.log.info("opening partition {pid} at generation {generation}", pid=partition_id, generation=generation)
+        partition = self.factory(partition_id, generation, self.store.partition(partition_id, generation))
+        self.opened[partition_id] = partition
+        if self.metrics is not None:
+            self.metrics.partition_opens.inc()
+            self.metrics.generation.set(generation, partition_id)
+        d = defer.maybeDeferred(partition.start)
+        d.addCallbacks(self._started, self._start_failed, callbackArgs=(partition,), errbackArgs=(partition,))
+
+    def _current(self, partition):
+        return self.opened.get(partition.partition_id) is partition
+
+    def _started(self, _, partition):
+        if self._current(partition):
+            self.ready.add(partition.partition_id)
+            self.log.info("partition {pid} (generation {generation}) is ready", pid=partition.partition_id,
+                          generation=partition.generation)
+
+    def _start_failed(self, failure, partition):
+        if self._current(partition):
+            self.failures[partition.partition_id] = failure.getErrorMessage()
+            self.log.error("partition {pid} (generation {generation}) failed to start: {error}",
+                           pid=partition.partition_id, generation=partition.generation,
+                           error=failure.getErrorMessage())
+
+    def _close(self, partition_id, why):
+        partition = self.opened.pop(partition_id)
+        self.ready.discard(partition_id)
+        self.failures.pop(partition_id, None)
+        self.log.info("closing partition {pid} (generation {generation}): {why}", pid=partition_id,
+                      generation=partition.generation, why=why)
+        if self.metrics is not None:
+            self.metrics.partition_closes.inc()
+            self.metrics.generation.remove(partition_id)
+        d = defer.maybeDeferred(partition.close)
+        d.addErrback(lambda f: self.log.failure("closing partition {pid} failed", f, pid=partition_id))
+        # Synchronously forgets the store partition, so a new generation opens a new one.
+        return defer.gatherResults([d, self.store.close_partition(partition_id)])
+
+    def close_all(self):
+        return defer.gatherResults([self._close(pid, "server stopping") for pid in sorted(self.opened)])
+
+    def problems(self):
+        """Partitions that failed to start, or whose store is not writing."""
+        found = []
+        for partition_id, partition in sorted(self.opened.items()):
+            if partition_id in self.failures:
+                found.append("partition %d (generation %d) failed to start: %s"
+                             % (partition_id, partition.generation, self.failures[partition_id]))
+            elif not partition.healthy:
+                found.append("partition %d (generation %d): the store is not writing"
+                             % (partition_id, partition.generation))
+        return found
+
+
+class ServerInfo:
+    """Answers the admin-ish client requests: storage connectivity, assignment, preferences, health."""
+
+    log = Logger()
+
+    def __init__(self, membership, store, partitions, reactor, connect_timeout=5.0):
+        self.membership = membership
+        self.store = store
+        self.partitions = partitions
+        self.reactor = reactor
+        self.connect_timeout = connect_timeout
+
+    def storages(self):
+        """Every storage node the store's replica assignment names."""
+        return sorted({s for pid in range(self.store.params.num_partitions) for s in self.store.replicas_of(pid)})
+
+    def check_storage_connectivity(self):
+        """Fires with ``[(storage "host:port", connected)]``, waiting up to ``connect_timeout`` each."""
+        def probe(storage):
+            d = self.store.pool.connection(storage).when_open()
+            d.addTimeout(self.connect_timeout, self.reactor)
+            return d.addCallbacks(lambda _: (storage, True), lambda _: (storage, False))
+        return defer.gatherResults([probe(s) for s in self.storages()])
+
+    def assigned_partitions(self):
+        return sorted(self.membership.partitions)
+
+    def add_preferred_partitions(self, partition_ids):
+        return self._preference(self.membership.add_preferred_partitions, partition_ids)
+
+    def remove_preferred_partitions(self, partition_ids):
+        return self._preference(self.membership.remove_preferred_partitions, partition_ids)
+
+    def _preference(self, change, partition_ids):
+        def refused(failure):
+            failure.trap(InvalidPartitions)
+            self.log.warn("preferred partitions refused: {error}", error=failure.getErrorMessage())
+            return False
+        return defer.maybeDeferred(change, partition_ids).addErrback(refused)
+
+    def partitions_health(self):
+        return [(pid, bool(partition.healthy)) for pid, partition in sorted(self.partitions.opened.items())]
+
+
+class WaltzServerService(AsyncStartService):
+    """One Waltz server (see the module docstring for the start-up order)."""
+
+    name = "waltz-server"
+    log = Logger()
+
+    def __init__(self, config, reactor, partition_factory=None, rng=None, clock=time.monotonic):
+        super().__init__(reactor)
+        self.config = config
+        self.rng = rng
+        self.clock = clock
+        self.metrics_registry = Registry()
+        self.metrics = ServerMetrics(self.metrics_registry, self)
+        self.partition_factory = partition_factory or server_partition_factory(config, reactor,
+                                                                               self.metrics_registry)
+        self.zookeeper = None
+        self.zookeeper_state = None
+        self.zookeeper_state_since = clock()
+        self.cluster = None
+        self.store = None
+        self.membership = None
+        self.partitions = None
+        self.client_factory = None
+        self.ports = []
+
+    @property
+    def server_id(self):
+        return self.membership.server_id if self.membership is not None else None
+
+    # --- start ----------------------------------------------------------------------------------
+
+    @defer.inlineCallbacks
+    def start(self):
+        config = self.config
+        self.zookeeper = ZooKeeperClient.from_config(config, self.reactor)
+        self.zookeeper.add_state_listener(self._zookeeper_state_changed)
+        yield self.zookeeper.connect()
+        self._zookeeper_state_changed(SessionState.CONNECTED)
+        self.cluster = ClusterMetadata(self.zookeeper, config["cluster.root"], self.reactor, rng=self.rng)
+        yield self._check_cluster()
+        self.store = Store(self.cluster, self.reactor, max_batch_size=config["storage.maxBatchSize"],
+                           checkpoint_interval=config["storage.checkpointInterval"],
+                           initial_retry=config["storage.initialRetryInterval"] / 1000.0,
+                           max_retry=config["storage.maxRetryInterval"] / 1000.0,
+                           metrics=StoreMetrics(self.metrics_registry))
+        yield self.store.start()
+        self.partitions = ServerPartitions(self.store, self.partition_factory, self.metrics)
+        self.membership = ServerMembership(self.cluster, config["server.host"], config["server.port"],
+                                           self._assignment_changed, config["server.preferredPartitions"],
+                                           reactor=self.reactor, rng=self.rng)
+        self.partitions.info = ServerInfo(self.membership, self.store, self.partitions, self.reactor)
+        self._listen()
+        try:
+            yield self.membership.start()
+        except InvalidPartitions as exc:
+            raise ConfigError("config key 'server.preferredPartitions': %s" % exc) from None
+        self.log.info("Waltz server {id} started: clients on {host}:{port}", id=self.server_id,
+                      host=config["server.host"], port=config["server.port"])
+
+    @defer.inlineCallbacks
+    def _check_cluster(self):
+        params = yield self.cluster.cluster_params()
+        store = yield self.cluster.store_params()
+        if params.num_partitions != store.num_partitions:
+            raise ClusterMismatch("inconsistent number of partitions: %s says %d, %s says %d" % (
+                self.cluster.paths.root, params.num_partitions, self.cluster.paths.store, store.num_partitions))
+
+    def _listen(self):
+        config, bind = self.config, self.config["server.bindAddress"]
+        self.client_factory = ServerFactory(self.partitions, max_frame_size=config["server.maxFrameSize"])
+        factories = (
+            (config["server.port"], self.client_factory),
+            (config["server.http.port"], health_site(self.metrics_registry, self.problems)),
+        )
+        for port, factory in factories:
+            server = internet.TCPServer(port, factory, interface=bind)
+            server.setServiceParent(self)
+            self.ports.append(server)
+
+    # --- events -----------------------------------------------------------------------------------
+
+    def _zookeeper_state_changed(self, state):
+        if state != self.zookeeper_state:
+            self.zookeeper_state = state
+            self.zookeeper_state_since = self.clock()
+
+    def _assignment_changed(self, assigned):
+        self.metrics.assignment_changes.inc()
+        self.partitions.assign(assigned)
+
+    # --- health -------------------------------------------------------------------------------------
+
+    def problems(self):
+        """Why the server is unhealthy (an empty list when it is healthy)."""
+        if self.membership is None or self.membership.state is MembershipState.NEW:
+            return ["starting"]
+        found = []
+        if self.zookeeper_state != SessionState.CONNECTED:
+            found.append("ZooKeeper session %s for %.1f s" % (
+                str(self.zookeeper_state).lower(), self.clock() - self.zookeeper_state_since))
+        if self.membership.state is not MembershipState.MEMBER:
+            found.append("not registered in ZooKeeper (membership %s)" % self.membership.state.value)
+        return found + self.partitions.problems()
+
+    # --- stop -----------------------------------------------------------------------------------------
+
+    @defer.inlineCallbacks
+    def stop(self):
+        # The ports stopped listening already (child services stop first).
+        if self.client_factory is not None:
+            self.client_factory.close_connections()
+        if self.membership is not None:
+            yield self.membership.stop()
+        if self.partitions is not None:
+            yield self.partitions.close_all()
+        if self.store is not None:
+            yield self.store.stop()
+        if self.zookeeper is not None:
+            yield self.zookeeper.close()
