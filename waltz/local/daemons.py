@@ -39,20 +39,41 @@ def log_tail(path, lines=30):
 
 
 class LocalDaemon:
-    """One twistd daemon (``kind`` is ``storage`` or ``server``) with its config, log and pid."""
+    """One twistd daemon (``kind`` is ``storage`` or ``server``) with its config, log and pid.
+
+    The pid is also written to ``<run_dir>/<kind>.pid``, so a later process (``waltz dev down``) can
+    find the daemon with :meth:`from_run_dir` and stop it; the pid is only signalled after
+    ``/proc/<pid>/cmdline`` shows it is this run directory's daemon.
+    """
 
     def __init__(self, kind, run_dir, config, http_port_key):
         self.kind = kind
         self.run_dir = os.path.abspath(run_dir)
         self.config = dict(config)
+        self.http_port_key = http_port_key
         self.http_port = self.config[http_port_key]
         self.config_path = os.path.join(self.run_dir, "%s.yaml" % kind)
         self.log_path = os.path.join(self.run_dir, "%s.log" % kind)
+        self.pid_path = os.path.join(self.run_dir, "%s.pid" % kind)
         self.process = None
+        self._pid = None
+
+    @classmethod
+    def from_run_dir(cls, kind, run_dir, http_port_key):
+        """The daemon a previous process started in ``run_dir`` (from its config and pid files)."""
+        config_path = os.path.join(os.path.abspath(run_dir), "%s.yaml" % kind)
+        with open(config_path, encoding="utf-8") as stream:
+            daemon = cls(kind, run_dir, yaml.safe_load(stream), http_port_key)
+        try:
+            with open(daemon.pid_path, encoding="ascii") as stream:
+                daemon._pid = int(stream.read().strip())
+        except (OSError, ValueError):
+            daemon._pid = None
+        return daemon
 
     @property
     def pid(self):
-        return self.process.pid if self.process is not None else None
+        return self.process.pid if self.process is not None else self._pid
 
     def write_config(self):
         os.makedirs(self.run_dir, exist_ok=True)
@@ -72,15 +93,17 @@ class LocalDaemon:
         with open(os.path.join(self.run_dir, "%s.stdout" % self.kind), "ab") as out:
             self.process = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.run_dir)
+        with open(self.pid_path, "w", encoding="ascii") as stream:
+            stream.write("%d\n" % self.process.pid)
         self.wait_ready(timeout)
         return self
 
     def wait_ready(self, timeout=30.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise DaemonError("%s exited with status %s:\n%s" % (self.kind, self.process.returncode,
-                                                                      log_tail(self.log_path)))
+            if not self.is_running():
+                status = self.process.returncode if self.process is not None else "unknown"
+                raise DaemonError("%s exited with status %s:\n%s" % (self.kind, status, log_tail(self.log_path)))
             if self.ping():
                 return
             time.sleep(0.05)
@@ -104,12 +127,23 @@ class LocalDaemon:
             return exc.code, exc.read().decode("utf-8")
 
     def is_running(self):
-        return self.process is not None and self.process.poll() is None
+        if self.process is not None:
+            return self.process.poll() is None
+        return self._pid is not None and self._is_ours(self._pid)
+
+    def _is_ours(self, pid):
+        """Whether ``pid`` is a live twistd running this daemon's config file."""
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as stream:
+                argv = stream.read().split(b"\0")
+        except OSError:
+            return False
+        return self.config_path.encode() in argv and ("waltz-%s" % self.kind).encode() in argv
 
     def stop(self, timeout=15.0):
-        """SIGTERM, then SIGKILL after ``timeout``; returns the exit status."""
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit status (``None`` if not ours to reap)."""
         if self.process is None:
-            return None
+            return self._stop_adopted(timeout)
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -118,11 +152,26 @@ class LocalDaemon:
                 self.kill()
         return self.process.wait()
 
+    def _stop_adopted(self, timeout):
+        """Stop a daemon another process started (by its recorded pid); wait until it is gone."""
+        for signum, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            if not self.is_running():
+                return None
+            os.kill(self._pid, signum)
+            deadline = time.monotonic() + wait
+            while self.is_running() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return None
+
     def kill(self):
         """``kill -9`` the daemon (fault tests) and reap it."""
-        if self.process is not None and self.process.poll() is None:
+        if self.process is None:
+            if self.is_running():
+                os.kill(self._pid, signal.SIGKILL)
+            return None
+        if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
-        return self.process.wait() if self.process is not None else None
+        return self.process.wait()
 
 
 def storage_config(run_dir, zookeeper, root, host="127.0.0.1", **overrides):
