@@ -1,0 +1,84 @@
+"""The feed cache (LRU blocks of headers) and the transaction data cache (LRU by bytes)."""
+
+import pytest
+
+from waltz.protocols.client_messages import FeedData
+from waltz.protocols.values import RecordHeader, ReqId
+from waltz.server.caches import DATA_ENTRY_OVERHEAD, HEADER_BYTES, FeedCache, LruBytes, TransactionDataCache
+
+BLOCK_BYTES = FeedCache.BLOCK_SIZE * HEADER_BYTES
+
+
+def header(txn, client=1):
+    return RecordHeader(txn, ReqId(client, 1, 0, txn), 100 + txn)
+
+
+def test_lru_evicts_least_recently_used_first_and_stays_under_its_bound():
+    lru = LruBytes(100)
+    lru.store("a", 1, 40)
+    lru.store("b", 2, 40)
+    assert lru.lookup("a") == 1            # a is now the most recent
+    lru.store("c", 3, 40)
+    assert lru.peek("b") is None and lru.peek("a") == 1 and lru.peek("c") == 3
+    assert lru.size_bytes == 80
+    assert not lru.store("huge", 4, 101) and lru.peek("huge") is None
+    lru.store("a", 5, 10)                  # replacing an entry re-costs it
+    assert lru.size_bytes == 50
+    assert (lru.hits, lru.misses) == (1, 0)
+    assert lru.lookup("zzz") is None and lru.misses == 1
+
+
+def test_feed_cache_returns_feed_data_and_runs_stop_at_gaps():
+    cache = FeedCache(10 * BLOCK_BYTES)
+    cache.add_all(0, [header(t) for t in range(60, 70)])
+    cache.add(0, header(71))
+    assert cache.get(0, 65) == FeedData(ReqId(1, 1, 0, 65), 65, 165)
+    assert cache.get(0, 70) is None and cache.get(1, 65) is None
+    run = cache.get_run(0, 60, 100)
+    assert [f.transaction_id for f in run] == list(range(60, 70))    # crosses the block boundary at 64
+    assert [f.transaction_id for f in cache.get_run(0, 62, 3)] == [62, 63, 64]
+    assert cache.get_run(0, 59, 10) == []
+
+
+def test_feed_cache_is_bounded_in_blocks_and_partitions_are_separate():
+    cache = FeedCache(2 * BLOCK_BYTES)
+    for t in (0, 64, 128):                 # three blocks, room for two
+        cache.add(0, header(t))
+    assert cache.get(0, 0) is None and cache.get(0, 64) is not None and cache.get(0, 128) is not None
+    assert cache.size_bytes == 2 * BLOCK_BYTES
+    cache.add(1, header(0))
+    cache.drop_partition(0)
+    assert cache.get(0, 128) is None and cache.get(1, 0) is not None
+    assert cache.size_bytes == BLOCK_BYTES
+
+
+def test_block_remainder_aligns_reads_to_blocks():
+    assert FeedCache.block_remainder(0) == 64
+    assert FeedCache.block_remainder(65) == 63
+    assert FeedCache.block_remainder(127) == 1
+
+
+def test_a_feed_cache_smaller_than_a_block_keeps_nothing():
+    cache = FeedCache(BLOCK_BYTES - 1)
+    cache.add(0, header(0))
+    assert cache.get(0, 0) is None and cache.size_bytes == 0
+
+
+def test_transaction_data_cache_is_bounded_by_bytes():
+    cache = TransactionDataCache(2 * (100 + DATA_ENTRY_OVERHEAD))
+    cache.put(0, 1, b"a" * 100, 11)
+    cache.put(0, 2, b"b" * 100, 22)
+    assert cache.get(0, 1).data == b"a" * 100          # 1 becomes the most recent
+    cache.put(0, 3, b"c" * 100, 33)
+    assert cache.get(0, 2) is None and cache.get(0, 1).checksum == 11 and cache.get(0, 3).checksum == 33
+    cache.put(0, 4, b"x" * 1000, 44)                    # larger than the whole cache: not kept, nothing lost
+    assert cache.get(0, 4) is None and cache.get(0, 3) is not None
+    cache.put(5, 1, b"p5", 55)
+    cache.drop_partition(0)
+    assert cache.get(0, 3) is None and cache.get(5, 1).data == b"p5"
+    assert cache.hits > 0 and cache.misses > 0
+
+
+def test_negative_sizes_are_refused():
+    with pytest.raises(ValueError):
+        TransactionDataCache(-1)

@@ -1,0 +1,296 @@
+"""The server's client port: real ``L`` frames between a ServerProtocol and a client protocol.
+
+Whole exchanges run over ``twisted.test.iosim`` (both sides encode and decode
+real frames); back pressure and bad input are driven byte by byte over
+``StringTransport``.
+"""
+
+import pytest
+from twisted.internet import defer
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.test import iosim
+
+from waltz.protocols import client_messages as cm
+from waltz.protocols.base import WaltzProtocol
+from waltz.protocols.framing import HEADER_SIZE, Hello, decode_frame_header, encode_frame
+from waltz.protocols.locks import lock_hash
+from waltz.protocols.values import ReqId
+from waltz.server.partition import PartitionSettings, ServerPartition
+from waltz.server.protocol import ServerFactory, ServerProtocol
+
+from tests.server.test_partition import DummyStore
+
+PID = 3
+GEN = 7
+
+
+class DummyServerInfo:
+    def __init__(self):
+        self.preferred = []
+
+    def check_storage_connectivity(self):
+        return defer.succeed([("127.0.0.1:55280", True), ("127.0.0.1:55290", False)])
+
+    def assigned_partitions(self):
+        return [PID, 5]
+
+    def add_preferred_partitions(self, ids):
+        self.preferred.append(ids)
+        return defer.succeed(True)
+
+    def remove_preferred_partitions(self, ids):
+        return defer.fail(RuntimeError("ZooKeeper is away"))
+
+    def partitions_health(self):
+        return [(PID, True), (5, False)]
+
+
+class DummyRegistry:
+    def __init__(self, partitions=()):
+        self.partitions = {p.partition_id: p for p in partitions}
+        self.info = DummyServerInfo()
+
+    def partition(self, partition_id):
+        return self.partitions.get(partition_id)
+
+    def server_info(self):
+        return self.info
+
+
+class Client(WaltzProtocol):
+    """A bare client connection that records every message it receives."""
+
+    codec = cm.CLIENT_CODEC
+    hello_name = "Waltz Client"
+
+    def __init__(self):
+        super().__init__()
+        self.received = []
+
+    def messageReceived(self, message):
+        self.received.append(message)
+
+    def take(self):
+        received, self.received = self.received, []
+        return received
+
+
+def rid(seq, client=1, generation=GEN, partition=PID):
+    return ReqId(client, generation, partition, seq)
+
+
+class Cluster:
+    """One server partition behind a ServerFactory, and helpers to connect clients over iosim."""
+
+    def __init__(self, records=0, settings=None):
+        self.clock = Clock()
+        self.store = DummyStore(records, partition_id=PID)
+        self.partition = ServerPartition(PID, GEN, self.store, settings or PartitionSettings(), self.clock)
+        self.partition.start()
+        self.registry = DummyRegistry([self.partition])
+        self.factory = ServerFactory(self.registry, max_frame_size=1 << 20)
+        self.pumps = []
+
+    def connect(self):
+        client, server, pump = iosim.connectedServerAndClient(
+            lambda: self.factory.buildProtocol(None), Client, clock=self.clock)
+        self.pumps.append(pump)
+        return client, server, pump
+
+    def flush(self):
+        for _ in range(20):
+            for pump in self.pumps:
+                pump.flush()
+            if not self.clock.getDelayedCalls():
+                return
+
+
+def test_a_whole_client_session_over_real_frames():
+    cluster = Cluster(records=2)
+    stream, server, _ = cluster.connect()
+    rpc, _, _ = cluster.connect()
+    cluster.flush()
+    assert stream.version == 4 and server.version == 4
+    assert cluster.factory.connections == {server, cluster.factory.connections.difference({server}).pop()}
+
+    # Mount at client hwm 0: transaction 1 is streamed, then READY.
+    stream.sendMessage(cm.MountRequest(rid(0), 0, 1))
+    cluster.flush()
+    assert stream.take() == [cm.FeedData(ReqId(99, 1, PID, 1), 1, 1001),
+                             cm.MountResponse(rid(0), cm.MountState.READY)]
+    stream.sendMessage(cm.FeedRequest(rid(0), 1))
+
+    # Two appends commit and come back in the feed with their own ReqIds.
+    lock = lock_hash("account", 42)
+    stream.sendMessage(cm.AppendRequest.create(rid(1), 1, 10, b"first", write_locks=[lock]))
+    stream.sendMessage(cm.AppendRequest.create(rid(2), 1, 20, b"second", append_locks=[lock]))
+    cluster.flush()
+    cluster.store.commit()
+    cluster.flush()
+    assert stream.take() == [cm.FeedData(rid(1), 2, 10), cm.FeedData(rid(2), 3, 20)]
+
+    # A stale write lock fails with the estimate; a flush answers with the hwm.
+    stream.sendMessage(cm.AppendRequest.create(rid(3), 1, 30, b"stale", write_locks=[lock]))
+    stream.sendMessage(cm.FlushRequest(rid(4)))
+    stream.sendMessage(cm.HighWaterMarkRequest(rid(5)))
+    cluster.flush()
+    assert stream.take() == [cm.LockFailure(rid(3), 3), cm.FlushResponse(rid(4), 3),
+                             cm.HighWaterMarkResponse(rid(5), 3)]
+
+    # Transaction data over the RPC connection: cached, from the store, and missing.
+    rpc.sendMessage(cm.TransactionDataRequest(rid(6), 2))
+    rpc.sendMessage(cm.TransactionDataRequest(rid(7), 0))
+    rpc.sendMessage(cm.TransactionDataRequest(rid(8), 99))
+    cluster.flush()
+    first, old, missing = rpc.take()
+    assert first == cm.TransactionDataResponse.success(rid(6), 2, b"first")
+    assert old == cm.TransactionDataResponse.success(rid(7), 0, b"old-0")
+    assert not missing.ok and "not committed" in missing.error
+
+    # Closing the stream connection releases the mount.
+    assert cluster.partition.is_mounted(server, 1)
+    server.transport.loseConnection()
+    cluster.flush()
+    assert cluster.partition.mounted_clients == {}
+    assert server not in cluster.factory.connections
+
+
+def test_a_partition_this_server_does_not_have():
+    cluster = Cluster()
+    client, _, _ = cluster.connect()
+    other = ReqId(1, GEN, 9, 0)
+    client.sendMessage(cm.MountRequest(other, -1, 1))
+    client.sendMessage(cm.AppendRequest.create(ReqId(1, GEN, 9, 1), -1, 0, b"x"))
+    client.sendMessage(cm.FlushRequest(ReqId(1, GEN, 9, 2)))
+    client.sendMessage(cm.TransactionDataRequest(ReqId(1, GEN, 9, 3), 0))
+    cluster.flush()
+    mount, data = client.take()
+    assert mount == cm.MountResponse(other, cm.MountState.NOT_READY)
+    assert not data.ok and "not served here" in data.error
+
+
+def test_server_messages_are_answered_from_server_info():
+    cluster = Cluster()
+    client, _, _ = cluster.connect()
+    r = rid(0)
+    client.sendMessage(cm.CheckStorageConnectivityRequest(r))
+    client.sendMessage(cm.ServerPartitionsAssignmentRequest(r))
+    client.sendMessage(cm.AddPreferredPartitionRequest(r, (1, 2)))
+    client.sendMessage(cm.RemovePreferredPartitionRequest(r, (1,)))
+    client.sendMessage(cm.PartitionsHealthRequest(r))
+    cluster.flush()
+    assert client.take() == [
+        cm.CheckStorageConnectivityResponse(r, (("127.0.0.1:55280", True), ("127.0.0.1:55290", False))),
+        cm.ServerPartitionsAssignmentResponse(r, (PID, 5)),
+        cm.AddPreferredPartitionResponse(r, True),
+        cm.RemovePreferredPartitionResponse(r, False),     # the failure is logged, the answer negative
+        cm.PartitionsHealthResponse(r, ((PID, True), (5, False))),
+    ]
+    assert cluster.registry.info.preferred == [(1, 2)]
+
+
+# -- over StringTransport: bad input and back pressure -------------------------------------------
+
+def frame(message, version=4):
+    return encode_frame(b"L", version, cm.CLIENT_CODEC.encode(message, version))
+
+
+def frames_in(data: bytes, version=4) -> list:
+    """Decode the L messages in ``data`` (skipping the Hello)."""
+    messages, offset = [], 0
+    while offset < len(data):
+        magic, _, length = decode_frame_header(data, offset)
+        payload = data[offset + HEADER_SIZE:offset + HEADER_SIZE + length]
+        offset += HEADER_SIZE + length
+        if magic == b"L" and payload:
+            messages.append(cm.CLIENT_CODEC.decode(payload, version))
+    return messages
+
+
+def server_over_string_transport(cluster):
+    proto = cluster.factory.buildProtocol(None)
+    transport = StringTransport()
+    proto.makeConnection(transport)
+    proto.dataReceived(Hello((3, 4), "Waltz Client").to_frame())
+    transport.clear()
+    return proto, transport
+
+
+def test_a_message_a_client_may_not_send_closes_only_that_connection():
+    cluster = Cluster()
+    bad, bad_transport = server_over_string_transport(cluster)
+    good, good_transport = server_over_string_transport(cluster)
+    bad.dataReceived(frame(cm.MountResponse(rid(0), cm.MountState.READY)))
+    assert bad_transport.disconnecting
+    good.dataReceived(frame(cm.HighWaterMarkRequest(rid(1))))
+    assert frames_in(good_transport.value()) == [cm.HighWaterMarkResponse(rid(1), -1)]
+    assert not good_transport.disconnecting
+
+
+def test_a_corrupted_append_closes_only_that_connection():
+    cluster = Cluster()
+    proto, transport = server_over_string_transport(cluster)
+    other, other_transport = server_over_string_transport(cluster)
+    other.dataReceived(frame(cm.MountRequest(rid(0, client=2), -1, 1)))
+    cluster.clock.advance(0)
+    payload = bytearray(cm.CLIENT_CODEC.encode(cm.AppendRequest.create(rid(1), -1, 0, b"hello"), 4))
+    payload[-1] ^= 0xFF                                   # break the checksum
+    proto.dataReceived(encode_frame(b"L", 4, bytes(payload)))
+    assert transport.disconnecting and cluster.store.pending == []
+    other.dataReceived(frame(cm.AppendRequest.create(rid(1, client=2), -1, 0, b"fine")))
+    assert len(cluster.store.pending) == 1 and not other_transport.disconnecting
+
+
+def test_appends_over_the_cap_pause_reading_until_the_store_catches_up():
+    cluster = Cluster(settings=PartitionSettings(max_pending_appends=2))
+    proto, transport = server_over_string_transport(cluster)
+    proto.inbound_high_watermark, proto.inbound_low_watermark = 3, 1
+    proto.dataReceived(frame(cm.MountRequest(rid(0), -1, 1)))
+    cluster.clock.advance(0)
+    proto.dataReceived(b"".join(frame(cm.AppendRequest.create(rid(seq), -1, 0, b"x")) for seq in range(1, 9)))
+    # 2 with the store, 3 held (the protocol's high watermark), the other 3 still unread in the buffer.
+    assert len(cluster.store.pending) == 2
+    assert transport.producerState == "paused" and proto.reading_paused
+    assert cluster.partition.pending_appends == 5
+    cluster.store.commit()
+    cluster.store.commit()
+    cluster.store.commit()
+    cluster.store.commit()
+    assert transport.producerState == "producing"
+    assert cluster.partition.high_water_mark == 7
+
+
+def test_feeds_stop_while_the_client_reads_slowly_and_resume_when_it_catches_up():
+    cluster = Cluster(records=50, settings=PartitionSettings(min_fetch_size=10))
+    proto, transport = server_over_string_transport(cluster)
+    proto.dataReceived(frame(cm.MountRequest(rid(0), 49, 1)))
+    cluster.clock.advance(0)
+    proto.dataReceived(frame(cm.FeedRequest(rid(0), -1)))
+    transport.clear()
+    proto.pauseProducing()                                # the transport's write buffer is full
+    cluster.clock.advance(0)
+    assert frames_in(transport.value()) == []
+    proto.resumeProducing()
+    cluster.clock.advance(0)
+    cluster.clock.advance(0)
+    messages = frames_in(transport.value())
+    assert [m.transaction_id for m in messages if isinstance(m, cm.FeedData)] == list(range(50))
+    assert messages[-1] == cm.FeedSuspended(rid(0))
+
+
+def test_factory_closes_every_connection():
+    cluster = Cluster()
+    first, first_transport = server_over_string_transport(cluster)
+    second, second_transport = server_over_string_transport(cluster)
+    assert cluster.factory.connections == {first, second}
+    cluster.factory.close_connections()
+    assert first_transport.disconnecting and second_transport.disconnecting
+
+
+@pytest.mark.parametrize("message", [cm.FeedData(rid(0), 1, 2), cm.FlushResponse(rid(0), 3)])
+def test_responses_are_protocol_errors(message):
+    registry = DummyRegistry()
+    proto = ServerProtocol(registry)
+    with pytest.raises(Exception, match="may not send"):
+        proto.messageReceived(message)

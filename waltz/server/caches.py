@@ -1,0 +1,190 @@
+"""The server's two caches: record headers for the feed, transaction data for the RPC.
+
+Both are least-recently-used caches bounded by an estimate of the bytes they
+hold, keyed by partition id so that one instance can serve every partition
+of a server (reference section 6: a 64 MiB feed cache in blocks of 64
+headers, a 128 MiB transaction data cache).
+
+* :class:`FeedCache` keeps committed record headers, as the ready-made
+  ``FeedData`` message every feed sends for them (same fields: the original
+  ``ReqId``, transaction id, header), in blocks of
+  :attr:`FeedCache.BLOCK_SIZE` consecutive transaction ids; a block
+  is the unit of eviction and of a catch-up read from the store
+  (:meth:`FeedCache.block_remainder`). Each header is charged
+  :data:`HEADER_BYTES` whether or not its place in the block is filled.
+* :class:`TransactionDataCache` keeps ``(data, checksum)`` per transaction,
+  charged ``len(data) +`` :data:`DATA_ENTRY_OVERHEAD`; an entry larger than
+  the whole cache is not kept.
+
+Only committed transactions are ever put in, and a committed transaction
+never changes, so entries need no invalidation; :meth:`drop_partition` frees
+the memory of a partition that moved away.
+"""
+
+import collections
+
+import attr
+
+from waltz.protocols.client_messages import FeedData
+
+#: Bytes charged per header slot of a feed cache block (a rough CPython size of a RecordHeader and its ReqId).
+HEADER_BYTES = 160
+#: Bytes charged per transaction data entry on top of the data itself.
+DATA_ENTRY_OVERHEAD = 96
+
+
+class LruBytes:
+    """An LRU map from key to value where each entry has a cost in bytes; the total stays ≤ ``max_bytes``."""
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 0:
+            raise ValueError("a cache size cannot be negative (%d)" % max_bytes)
+        self.max_bytes = max_bytes
+        self.size_bytes = 0
+        self._entries = collections.OrderedDict()   # key -> (value, cost)
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self):
+        return len(self._entries)
+
+    def lookup(self, key):
+        """The value of ``key`` (now most recently used), or None; counted as a hit or a miss."""
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(key)
+        return entry[0]
+
+    def peek(self, key):
+        """The value of ``key`` without touching its recency or the hit counts."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry[0]
+
+    def store(self, key, value, cost: int) -> bool:
+        """Keep ``value`` under ``key``; False (and nothing kept) when ``cost`` exceeds the whole cache."""
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.size_bytes -= old[1]
+        if cost > self.max_bytes:
+            return False
+        self._entries[key] = (value, cost)
+        self.size_bytes += cost
+        while self.size_bytes > self.max_bytes:
+            _, (_, evicted_cost) = self._entries.popitem(last=False)
+            self.size_bytes -= evicted_cost
+        return True
+
+    def discard_where(self, predicate):
+        """Remove every entry whose key satisfies ``predicate``."""
+        for key in [k for k in self._entries if predicate(k)]:
+            _, cost = self._entries.pop(key)
+            self.size_bytes -= cost
+
+
+class FeedCache:
+    """Committed record headers (as ``FeedData``), in LRU blocks of :attr:`BLOCK_SIZE` consecutive ids."""
+
+    BLOCK_SIZE = 64
+
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024):
+        self._blocks = LruBytes(max_bytes)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._blocks.size_bytes
+
+    @property
+    def hits(self) -> int:
+        return self._blocks.hits
+
+    @property
+    def misses(self) -> int:
+        return self._blocks.misses
+
+    @classmethod
+    def block_remainder(cls, transaction_id: int) -> int:
+        """How many ids from ``transaction_id`` to the end of its block (the size of a block-filling read)."""
+        return cls.BLOCK_SIZE - transaction_id % cls.BLOCK_SIZE
+
+    def add(self, partition_id: int, header):
+        """Keep one committed ``RecordHeader`` of ``partition_id`` (as its ``FeedData``)."""
+        index, offset = divmod(header.transaction_id, self.BLOCK_SIZE)
+        key = (partition_id, index)
+        block = self._blocks.peek(key)
+        if block is None:
+            block = [None] * self.BLOCK_SIZE
+            if not self._blocks.store(key, block, self.BLOCK_SIZE * HEADER_BYTES):
+                return
+        block[offset] = FeedData(header.req_id, header.transaction_id, header.header)
+
+    def add_all(self, partition_id: int, headers):
+        for header in headers:
+            self.add(partition_id, header)
+
+    def get(self, partition_id: int, transaction_id: int):
+        """The ``FeedData`` of ``transaction_id``, or None when it is not cached."""
+        block = self._blocks.lookup((partition_id, transaction_id // self.BLOCK_SIZE))
+        if block is None:
+            return None
+        return block[transaction_id % self.BLOCK_SIZE]
+
+    def get_run(self, partition_id: int, transaction_id: int, max_count: int) -> list:
+        """Up to ``max_count`` cached ``FeedData`` of consecutive ids from ``transaction_id`` (stops at a gap)."""
+        run = []
+        next_id = transaction_id
+        while len(run) < max_count:
+            block = self._blocks.lookup((partition_id, next_id // self.BLOCK_SIZE))
+            if block is None:
+                break
+            offset = next_id % self.BLOCK_SIZE
+            end = min(self.BLOCK_SIZE, offset + max_count - len(run))
+            for header in block[offset:end]:
+                if header is None:
+                    return run
+                run.append(header)
+            next_id += end - offset
+        return run
+
+    def drop_partition(self, partition_id: int):
+        self._blocks.discard_where(lambda key: key[0] == partition_id)
+
+
+@attr.s(frozen=True, slots=True)
+class CachedData:
+    """The data of one committed transaction and its CRC32C."""
+
+    data = attr.ib()
+    checksum = attr.ib()
+
+
+class TransactionDataCache:
+    """Data of committed transactions, LRU, bounded by bytes."""
+
+    def __init__(self, max_bytes: int = 128 * 1024 * 1024):
+        self._entries = LruBytes(max_bytes)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._entries.size_bytes
+
+    @property
+    def hits(self) -> int:
+        return self._entries.hits
+
+    @property
+    def misses(self) -> int:
+        return self._entries.misses
+
+    def put(self, partition_id: int, transaction_id: int, data: bytes, checksum: int):
+        self._entries.store((partition_id, transaction_id), CachedData(bytes(data), checksum),
+                            len(data) + DATA_ENTRY_OVERHEAD)
+
+    def get(self, partition_id: int, transaction_id: int):
+        """The :class:`CachedData` of the transaction, or None."""
+        return self._entries.lookup((partition_id, transaction_id))
+
+    def drop_partition(self, partition_id: int):
+        self._entries.discard_where(lambda key: key[0] == partition_id)

@@ -1,0 +1,177 @@
+"""The optimistic lock table of one partition (seed 001 "Concurrency Control", reference section 5).
+
+The table is a fixed array of high-water marks. Each lock hash (computed by
+the client with :func:`waltz.protocols.locks.lock_hash`) maps to
+:data:`NUM_HASH_FUNCTIONS` slots through a 32-bit linear congruential
+generator (:func:`lock_slots`). All slots start at the partition's
+high-water mark when the append task starts.
+
+* The **estimate** of one lock is the minimum over its slots: it is never
+  lower than the id of the last committed transaction that wrote (or
+  appended) that lock, because every such commit raised all of its slots.
+* The estimate of a request is the maximum over its **write and read**
+  locks (``-1`` when it has none). When it is strictly greater than the
+  client's high-water mark the request fails (``LOCK_FAILURE``), otherwise
+  the client had seen every transaction that touched its locks.
+* On commit the slots of **write and append** locks are raised to the
+  transaction id; read locks are never updated; append locks are never
+  checked (reference PR #77).
+
+Requests whose checked locks share a slot with a request that is on its way
+to the store (*in flight*: sent, not yet committed or failed) cannot be
+decided yet: :meth:`LockTable.check` answers :attr:`LockOutcome.IN_FLIGHT`
+and the append task re-checks once in-flight requests settle. Together these
+rules never let a conflicting transaction through (no false negatives); hash
+collisions only cause spurious failures (false positives).
+"""
+
+import enum
+
+import attr
+
+#: Slots per lock hash (the original hard-codes 3).
+NUM_HASH_FUNCTIONS = 3
+
+#: The 32-bit LCG that derives the slots: ``h = h * MULTIPLIER + INCREMENT (mod 2**32)``.
+LCG_MULTIPLIER = 1103515245
+LCG_INCREMENT = 12345
+#: A slot is ``(h & SLOT_MASK) % table_size`` (the mask makes the value non-negative).
+SLOT_MASK = 0x3FFFFFFF
+
+_MASK32 = 0xFFFFFFFF
+
+
+def lock_slots(lock_hash: int, table_size: int) -> tuple:
+    """The :data:`NUM_HASH_FUNCTIONS` table slots of ``lock_hash`` (with repeats when they collide)."""
+    h = lock_hash & _MASK32
+    slots = []
+    for _ in range(NUM_HASH_FUNCTIONS):
+        h = (h * LCG_MULTIPLIER + LCG_INCREMENT) & _MASK32
+        slots.append((h & SLOT_MASK) % table_size)
+    return tuple(slots)
+
+
+@attr.s(frozen=True, slots=True)
+class LockRequest:
+    """The lock hashes of one append: ``write_locks`` and ``read_locks`` are checked,
+    ``write_locks`` and ``append_locks`` are updated on commit."""
+
+    write_locks = attr.ib(default=(), converter=tuple)
+    read_locks = attr.ib(default=(), converter=tuple)
+    append_locks = attr.ib(default=(), converter=tuple)
+
+    @classmethod
+    def of(cls, append_request) -> "LockRequest":
+        """The locks carried by an ``AppendRequest``."""
+        return cls(append_request.write_locks, append_request.read_locks, append_request.append_locks)
+
+    @property
+    def checked(self) -> tuple:
+        """Hashes whose estimate decides the request: write then read locks."""
+        return self.write_locks + self.read_locks
+
+    @property
+    def updated(self) -> tuple:
+        """Hashes whose slots a commit raises: write then append locks."""
+        return self.write_locks + self.append_locks
+
+    @property
+    def empty(self) -> bool:
+        return not (self.write_locks or self.read_locks or self.append_locks)
+
+
+NO_LOCKS = LockRequest()
+
+
+class LockOutcome(enum.Enum):
+    """What :meth:`LockTable.check` decided."""
+
+    GRANTED = "granted"      #: the client saw every transaction that touched its checked locks
+    FAILED = "failed"        #: the estimate is above the client's high-water mark: LOCK_FAILURE
+    IN_FLIGHT = "in-flight"  #: a checked slot is being updated by an in-flight request: wait, then re-check
+
+
+@attr.s(frozen=True, slots=True)
+class LockCheck:
+    """The outcome of a check and the request's estimated lock high-water mark."""
+
+    outcome = attr.ib()
+    estimate = attr.ib()
+
+
+@attr.s(frozen=True, slots=True)
+class HeldLocks:
+    """The slots an in-flight request will raise on commit (returned by :meth:`LockTable.begin`)."""
+
+    slots = attr.ib(converter=tuple)
+
+
+class LockTable:
+    """The lock table of one partition: ``size`` i64 slots starting at ``high_water_mark``."""
+
+    def __init__(self, size: int = 30000, high_water_mark: int = -1):
+        if size <= 0:
+            raise ValueError("the lock table size must be positive, not %d" % size)
+        self.size = size
+        self._marks = [high_water_mark] * size
+        self._in_flight = [0] * size
+        self.held = 0
+
+    def slots(self, lock_hash: int) -> tuple:
+        """The slots of one lock hash in this table."""
+        return lock_slots(lock_hash, self.size)
+
+    def lock_estimate(self, lock_hash: int) -> int:
+        """The estimated high-water mark of one lock: the minimum over its slots."""
+        return self._estimate_of((self.slots(lock_hash),))
+
+    def estimate(self, request: LockRequest) -> int:
+        """The estimate of a request: the maximum over its write and read locks, ``-1`` without any."""
+        return self._estimate_of([self.slots(h) for h in request.checked])
+
+    def in_flight_conflict(self, request: LockRequest) -> bool:
+        """True when a checked lock shares a slot with a lock an in-flight request will update."""
+        return self._in_flight_among([self.slots(h) for h in request.checked])
+
+    def check(self, request: LockRequest, client_high_water_mark: int) -> LockCheck:
+        """Decide ``request`` for a client that has seen transactions up to ``client_high_water_mark``."""
+        checked = [self.slots(h) for h in request.checked]
+        estimate = self._estimate_of(checked)
+        if self._in_flight_among(checked):
+            return LockCheck(LockOutcome.IN_FLIGHT, estimate)
+        outcome = LockOutcome.FAILED if estimate > client_high_water_mark else LockOutcome.GRANTED
+        return LockCheck(outcome, estimate)
+
+    def _estimate_of(self, slots_per_lock) -> int:
+        marks = self._marks
+        return max((min(marks[slot] for slot in slots) for slots in slots_per_lock), default=-1)
+
+    def _in_flight_among(self, slots_per_lock) -> bool:
+        in_flight = self._in_flight
+        return any(in_flight[slot] for slots in slots_per_lock for slot in slots)
+
+    def begin(self, request: LockRequest) -> HeldLocks:
+        """Mark the slots ``request`` will update as in flight; settle with :meth:`commit` or :meth:`release`."""
+        slots = tuple(slot for h in request.updated for slot in self.slots(h))
+        for slot in slots:
+            self._in_flight[slot] += 1
+        self.held += 1
+        return HeldLocks(slots)
+
+    def commit(self, held: HeldLocks, transaction_id: int):
+        """The request committed as ``transaction_id``: raise its slots, then release them."""
+        marks = self._marks
+        for slot in held.slots:
+            if marks[slot] < transaction_id:
+                marks[slot] = transaction_id
+        self.release(held)
+
+    def release(self, held: HeldLocks):
+        """The request settled without committing (or after :meth:`commit`): no longer in flight."""
+        for slot in held.slots:
+            self._in_flight[slot] -= 1
+        self.held -= 1
+
+    def reset(self, high_water_mark: int):
+        """Raise every slot to at least ``high_water_mark`` (after commits the table did not see)."""
+        self._marks = [max(mark, high_water_mark) for mark in self._marks]
