@@ -1,0 +1,105 @@
+"""BlockingWaltzClient: the same WaltzClient on a reactor thread, with blocking calls (real TCP to a fake server)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import pytest_twisted
+from twisted.internet import reactor, threads
+
+from tests.client.fakes import BASE_CONFIG, FakeDiscovery, FakeServer, FakeStore, RecordingContext
+from waltz.client.api import Outcome, WaltzClientCallbacks
+from waltz.client.blocking import BlockingWaltzClient, ensure_reactor_running
+from waltz.client.discovery import PartitionLocation
+from waltz.client.network import Endpoint
+from waltz.protocols.values import ReqId
+
+
+def fake_cluster():
+    """A fake server on a real loopback port holding two partitions, and a discovery pointing at it."""
+    store = FakeStore(2)
+    server = FakeServer(store, [0, 1])
+    port = reactor.listenTCP(0, server, interface="127.0.0.1")
+    location = PartitionLocation(Endpoint("127.0.0.1", port.getHost().port), 1)
+    discovery = FakeDiscovery(2, locations={0: location, 1: location})
+    discovery.joined = True
+    return store, server, port, discovery
+
+
+class BlockingCallbacks(WaltzClientCallbacks):
+    """Plain blocking callbacks: they run in a worker thread and fetch data synchronously."""
+
+    def __init__(self):
+        self.applied = []
+        self.threads = set()
+
+    def get_client_high_water_mark(self, partition_id):
+        return -1
+
+    def apply_transaction(self, transaction):
+        self.threads.add(threading.current_thread().name)
+        self.applied.append((transaction.partition_id, transaction.transaction_id, transaction.get_data()))
+
+
+class AppliedContext(RecordingContext):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.applied = threading.Event()
+
+    def on_application(self):
+        super().on_application()
+        self.applied.set()
+
+
+@pytest_twisted.ensureDeferred
+async def test_blocking_calls_from_a_script_thread():
+    store, server, port, discovery = fake_cluster()
+    store.commit(0, ReqId(99, 1, 0, 0), 5, b"first")
+    callbacks = BlockingCallbacks()
+
+    def script():
+        with BlockingWaltzClient(callbacks, BASE_CONFIG, discovery=discovery, timeout=20) as client:
+            context = AppliedContext(header=9, data=b"mine")
+            result = client.execute(context)
+            assert context.applied.wait(20)
+            return (result, client.high_water_marks(), client.get_transaction_data(0, 1),
+                    client.read_transactions(0, 0), client.client_high_water_mark(0), client.client_id)
+    try:
+        result, marks, data, records, hwm, client_id = await threads.deferToThread(script)
+    finally:
+        await port.stopListening()
+    assert result.outcome is Outcome.COMMITTED
+    assert marks == {0: 1, 1: -1} and data == b"mine" and hwm == 1 and client_id == 7
+    assert [(r.transaction_id, r.header, r.data) for r in records] == [(0, 5, b"first"), (1, 9, b"mine")]
+    assert callbacks.applied == [(0, 0, b"first"), (0, 1, b"mine")]
+    assert callbacks.threads == {"PoolThread-waltz-callbacks-0"}
+
+
+def test_the_facade_refuses_the_reactor_thread():
+    # pytest-twisted runs the reactor in this thread
+    with pytest.raises(RuntimeError, match="reactor thread"):
+        ensure_reactor_running(reactor)
+
+
+def test_a_script_without_a_reactor_gets_one_in_a_thread(tmp_path):
+    script = textwrap.dedent("""
+        import threading
+        from twisted.internet import reactor
+        from tests.client.fakes import BASE_CONFIG, RecordingContext
+        from tests.client.test_blocking import BlockingCallbacks, fake_cluster
+        from waltz.client.blocking import BlockingWaltzClient, call_blocking, ensure_reactor_running
+
+        ensure_reactor_running(reactor)
+        assert reactor.running and threading.current_thread() is threading.main_thread()
+        store, server, port, discovery = call_blocking(reactor, fake_cluster)
+        with BlockingWaltzClient(BlockingCallbacks(), BASE_CONFIG, discovery=discovery, timeout=20) as client:
+            print(client.execute(RecordingContext(partition=1)).outcome.value)
+            print(client.high_water_mark(1))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=os.getcwd(), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["committed", "0"]

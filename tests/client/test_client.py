@@ -1,0 +1,761 @@
+"""WaltzClient against fake servers speaking real L frames, on a Clock and iosim (no sockets, no sleeps)."""
+
+import pytest
+from twisted.internet import defer
+from twisted.python.failure import Failure
+
+from tests.client.fakes import EP_A, EP_B, RecordingCallbacks, RecordingContext
+from waltz.client.api import Outcome
+from waltz.client.client import ClientState
+from waltz.client.errors import ClientAheadError, ClientClosedError, PartitionInactiveError, WaltzClientError
+from waltz.client.partition import PartitionState
+from waltz.protocols import client_messages as m
+from waltz.protocols.locks import lock_hash
+from waltz.protocols.values import ReqId
+
+
+def outcome(d):
+    """What a Deferred fired with (None while pending); a failure is consumed (returned as the Failure)."""
+    if not hasattr(d, "observed"):
+        d.observed = []
+
+        def observe(result):
+            d.observed.append(result)
+            return None if isinstance(result, Failure) else result
+        d.addBoth(observe)
+    return d.observed[0] if d.observed else None
+
+
+# --- mounting ------------------------------------------------------------------------------------
+
+def test_mount_feeds_the_backlog_in_order_then_ready(harness):
+    for header in (10, 11, 12):
+        harness.commit(0, header=header)
+    callbacks = RecordingCallbacks({0: 0})
+    client = harness.client(callbacks)
+    mounts = harness.server_a.messages(m.MountRequest)
+    assert sorted((r.req_id.partition_id, r.client_hwm) for r in mounts) == [(0, 0), (1, -1)]
+    assert all(r.req_id.client_id == 7 and r.req_id.generation == 1 for r in mounts)
+    assert [(t.transaction_id, t.header) for t in callbacks.applied] == [(1, 11), (2, 12)]
+    assert client.partition_state(0) is PartitionState.MOUNTED
+    assert client.client_high_water_mark(0) == 2
+    # the feed is requested after the mount response, from what was received
+    feeds = [r for r in harness.server_a.messages(m.FeedRequest) if r.req_id.partition_id == 0]
+    assert [(f.req_id, f.client_hwm) for f in feeds] == [
+        (next(r.req_id for r in mounts if r.req_id.partition_id == 0), 2)]
+    harness.commit(0, header=13)
+    assert callbacks.applied_ids(0) == [1, 2, 3]
+
+
+def test_not_ready_is_retried_after_the_mount_retry_interval(harness):
+    harness.server_a.partitions = {1}
+    client = harness.client()
+    assert client.partition_state(0) is PartitionState.MOUNT_RETRY
+    count = lambda: sum(1 for r in harness.server_a.messages(m.MountRequest) if r.req_id.partition_id == 0)  # noqa
+    assert count() == 1
+    harness.settle(0.49)
+    assert count() == 1
+    harness.server_a.partitions = {0, 1}
+    harness.settle(0.01)
+    assert count() == 2
+    assert client.partition_state(0) is PartitionState.MOUNTED
+
+
+def test_client_ahead_is_reported_and_executions_fail(harness):
+    harness.commit(0)
+    callbacks = RecordingCallbacks({0: 5})
+    client = harness.client(callbacks)
+    assert client.partition_state(0) is PartitionState.CLIENT_AHEAD
+    [(pid, txn, error)] = callbacks.errors
+    assert (pid, txn) == (0, 5) and isinstance(error, ClientAheadError)
+    context = RecordingContext()
+    result = outcome(client.execute(context))
+    assert result.outcome is Outcome.FAILED and isinstance(result.error, ClientAheadError)
+    assert context.events == [("exception", "ClientAheadError")]
+    assert client.partition_state(1) is PartitionState.MOUNTED
+
+
+def test_client_ahead_mounts_again_when_the_partition_moves(harness):
+    harness.commit(0)
+    callbacks = RecordingCallbacks({0: 1})
+    client = harness.client(callbacks)
+    assert client.partition_state(0) is PartitionState.CLIENT_AHEAD
+    harness.commit(0)      # the log catches up (e.g. another server had it)
+    harness.server_b.partitions = {0}
+    harness.discovery.move(0, EP_B, 2)
+    harness.settle()
+    assert client.partition_state(0) is PartitionState.MOUNTED
+
+
+# --- executing ---------------------------------------------------------------------------------
+
+def test_execute_appends_with_req_id_hwm_header_and_lock_hashes(harness):
+    harness.commit(0)
+    client = harness.client()
+    context = RecordingContext(header=42, data=b"payload", write_locks=[("account", 1)],
+                               read_locks=[("account", 2)], append_locks=[("log", 3)])
+    d = client.execute(context)
+    harness.settle()
+    [append] = harness.server_a.messages(m.AppendRequest)
+    assert append.req_id.client_id == 7 and append.req_id.generation == 1 and append.req_id.partition_id == 0
+    assert append.client_hwm == 0 and append.header == 42 and append.data == b"payload"
+    assert append.write_locks == (lock_hash("account", 1),)
+    assert append.read_locks == (lock_hash("account", 2),)
+    assert append.append_locks == (lock_hash("log", 3),)
+    assert outcome(d).outcome is Outcome.COMMITTED
+    assert context.events == ["execute", ("completion", True), "application"]
+    assert client.callbacks.applied[-1].req_id == append.req_id
+
+
+def test_execute_before_the_client_joined_waits_for_it(harness):
+    client = harness.client(join=False)
+    context = RecordingContext()
+    d = client.execute(context)
+    assert context.events == [] and client.state is ClientState.STARTING
+    harness.join()
+    assert outcome(d).committed
+
+
+def test_execute_returning_false_or_raising_ends_without_append(harness):
+    client = harness.client()
+    ignored, broken = RecordingContext(proceed=False), RecordingContext(raises=KeyError("boom"))
+    assert outcome(client.execute(ignored)).outcome is Outcome.IGNORED
+    result = outcome(client.execute(broken))
+    assert result.outcome is Outcome.FAILED and isinstance(result.error, KeyError)
+    harness.settle()
+    assert harness.server_a.messages(m.AppendRequest) == []
+    assert ignored.events == ["execute", ("completion", False)]
+    assert broken.events == ["execute", ("exception", "KeyError")]
+
+
+def test_a_bad_partition_id_fails_the_execution(harness):
+    client = harness.client()
+    result = outcome(client.execute(RecordingContext(partition=5)))
+    assert result.outcome is Outcome.FAILED and "partition 5 does not exist" in str(result.error)
+
+
+def test_own_req_id_in_the_feed_fails_older_pending_appends_which_are_retried(harness):
+    client = harness.client()
+    harness.server_a.hold_appends = True
+    contexts = [RecordingContext(header=i) for i in range(3)]
+    results = [client.execute(c) for c in contexts]
+    harness.settle()
+    assert len(harness.server_a.held) == 3
+    harness.server_a.hold_appends = False
+    harness.server_a.commit_held(2)        # only the newest made it: the two older ones were lost
+    harness.settle()
+    assert outcome(results[2]).committed
+    assert [c.executions for c in contexts] == [2, 2, 1]
+    assert all(outcome(r).committed for r in results)
+    assert [t.header for t in client.callbacks.applied] == [2, 0, 1]
+    retried = harness.server_a.messages(m.AppendRequest)[3:]
+    assert [r.client_hwm for r in retried] == [0, 0]   # re-executed after the success was applied
+
+
+def test_lock_failure_is_retried_only_once_the_client_hwm_reaches_the_transaction(harness):
+    harness.commit(0)
+    client = harness.client()
+    harness.server_a.hold_appends = True
+    context = RecordingContext(write_locks=[("account", 1)])
+    d = client.execute(context)
+    harness.settle()
+    harness.server_a.lock_fail_held(0, 3)
+    harness.settle()
+    assert context.events == ["execute", "lock failure"]
+    harness.server_a.hold_appends = False
+    harness.commit(0)                     # txn 1
+    harness.commit(0)                     # txn 2
+    assert context.executions == 1         # the client is still behind the conflicting txn 3
+    harness.commit(0)                     # txn 3
+    assert context.executions == 2
+    assert context.builders[1].client_high_water_mark == 3
+    assert outcome(d).committed
+
+
+def test_lock_failure_behind_the_client_hwm_is_retried_at_once(harness):
+    harness.commit(0)
+    client = harness.client()
+    harness.server_a.hold_appends = True
+    context = RecordingContext()
+    client.execute(context)
+    harness.settle()
+    harness.server_a.lock_fail_held(0, 0)
+    harness.settle()
+    assert context.executions == 2
+
+
+def test_at_most_max_concurrent_transactions_are_outstanding(harness):
+    client = harness.client(**{"client.maxConcurrentTransactions": 3})
+    harness.server_a.hold_appends = True
+    contexts = [RecordingContext(header=i) for i in range(5)]
+    results = [client.execute(c) for c in contexts]
+    harness.settle()
+    assert [a.request.header for a in harness.server_a.held] == [0, 1, 2]
+    assert [c.executions for c in contexts] == [1, 1, 1, 0, 0]
+    harness.server_a.commit_held(0)
+    harness.settle()
+    assert [a.request.header for a in harness.server_a.held] == [1, 2, 3]
+    harness.server_a.hold_appends = False
+    for _ in range(3):
+        harness.server_a.commit_held(0)
+    harness.settle()
+    assert all(outcome(r).committed for r in results)
+    assert [t.header for t in client.callbacks.applied] == [0, 1, 2, 3, 4]
+
+
+def test_a_waiting_context_expires(harness):
+    client = harness.client(**{"client.transactionExpiration": 3000})
+    harness.network.take_down(EP_A)            # nothing can be appended any more
+    context = RecordingContext()
+    d = client.execute(context)
+    harness.settle(2.9)
+    assert outcome(d) is None
+    harness.settle(0.1)
+    assert outcome(d).outcome is Outcome.EXPIRED
+    assert context.events == ["expiration"]
+
+
+def test_a_failed_attempt_after_expiration_is_not_retried(harness):
+    client = harness.client(**{"client.transactionExpiration": 1000, "client.longWaitThreshold": 5000})
+    harness.server_a.hold_appends = True
+    context = RecordingContext()
+    d = client.execute(context)
+    harness.settle(2)                        # sent, still pending when it expires: it may commit
+    assert outcome(d) is None
+    harness.settle(5)                        # the long-wait flush settles it as failed
+    assert outcome(d).outcome is Outcome.EXPIRED
+    assert context.events == ["execute", "expiration"]
+
+
+def test_a_flush_is_sent_when_pending_appends_make_no_progress(harness):
+    client = harness.client(**{"client.longWaitThreshold": 2000})
+    harness.server_a.hold_appends = True
+    context = RecordingContext()
+    client.execute(context)
+    harness.settle(1.5)
+    assert harness.server_a.messages(m.FlushRequest) == []
+    harness.settle(1.0)
+    [flush] = harness.server_a.messages(m.FlushRequest)
+    assert flush.req_id == harness.server_a.messages(m.AppendRequest)[0].req_id
+    assert context.executions == 2             # the flush showed it lost; it was sent again
+
+
+def test_a_flush_response_waits_for_the_client_to_apply_up_to_its_hwm(harness):
+    callbacks = RecordingCallbacks()
+    client = harness.client(callbacks)
+    harness.server_a.hold_appends = True
+    context = RecordingContext()
+    client.execute(context)
+    harness.settle()
+    callbacks.hold = True
+    harness.commit(0)                           # someone else's transaction, not applied yet
+    d = client.flush(0)
+    harness.settle()
+    assert not d.called and context.executions == 1
+    callbacks.release()
+    harness.settle()
+    assert d.called and context.executions == 2
+
+
+def test_flush_fires_at_once_with_nothing_pending(harness):
+    client = harness.client()
+    assert client.flush().called
+
+
+# --- the feed ------------------------------------------------------------------------------------
+
+def test_apply_transaction_returning_a_deferred_holds_the_next_one(harness):
+    callbacks = RecordingCallbacks()
+    client = harness.client(callbacks)
+    callbacks.hold = True
+    harness.commit(0)
+    harness.commit(0)
+    assert len(callbacks.pending) == 1 and client.client_high_water_mark(0) == -1
+    callbacks.release()
+    assert len(callbacks.pending) == 1 and client.client_high_water_mark(0) == 0
+    callbacks.release()
+    assert callbacks.applied_ids(0) == [0, 1] and client.client_high_water_mark(0) == 1
+
+
+def test_a_failed_apply_is_reported_and_retried_with_back_off(harness):
+    callbacks = RecordingCallbacks()
+    client = harness.client(callbacks)
+    callbacks.fail_next = 2
+    harness.commit(0)
+    harness.commit(0)
+    assert [e[:2] for e in callbacks.errors] == [(0, 0)]
+    assert client.client_high_water_mark(0) == -1
+    harness.settle(0.1)
+    assert [e[:2] for e in callbacks.errors] == [(0, 0), (0, 0)]
+    harness.settle(0.1)
+    assert callbacks.applied_ids(0) == []      # the second retry waits twice as long
+    harness.settle(0.1)
+    assert callbacks.applied_ids(0) == [0, 1]
+
+
+def test_feed_suspended_is_followed_by_a_new_feed_request(harness):
+    harness.server_a.feed_credit = 2
+    callbacks = RecordingCallbacks()
+    harness.client(callbacks)
+    for _ in range(5):
+        harness.commit(0)
+    assert callbacks.applied_ids(0) == [0, 1, 2, 3, 4]
+    requests = [r.client_hwm for r in harness.server_a.messages(m.FeedRequest) if r.req_id.partition_id == 0]
+    assert requests == [-1, 1, 3]
+
+
+def test_feed_data_is_delivered_once_even_when_sent_twice(harness):
+    callbacks = RecordingCallbacks()
+    client = harness.client(callbacks)
+    record = harness.commit(0)
+    stream = [p for p in harness.server_a.connections if p.feeds][0]
+    stream.sendMessage(m.FeedData(record.req_id, record.transaction_id, record.header))
+    harness.settle()
+    assert callbacks.applied_ids(0) == [0] and client.client_high_water_mark(0) == 0
+
+
+# --- reconnecting and moving -----------------------------------------------------------------------
+
+def test_reconnect_procedure(harness):
+    client = harness.client()
+    harness.server_a.hold_appends = True
+    lost, kept = RecordingContext(header=1), RecordingContext(header=2)
+    results = [client.execute(lost), client.execute(kept)]
+    harness.settle()
+    first_seq = harness.server_a.messages(m.MountRequest)[-1].seq_num
+    # the server committed 'kept' but the connection drops before the feed reaches the client
+    harness.server_a.hold_appends = False
+    kept_request = harness.server_a.held.pop(1).request
+    harness.server_a.held = []
+    for proto in list(harness.server_a.connections):
+        proto.feeds.clear()
+    harness.server_a.commit_request(kept_request)
+    harness.network.disconnect(EP_A)
+    assert client.partition_state(0) is PartitionState.WAITING_FOR_SERVER
+    blocked = RecordingContext(header=3)
+    results.append(client.execute(blocked))
+    assert blocked.executions == 0                 # appends are blocked until the remount completes
+    appends_before = len(harness.server_a.messages(m.AppendRequest))
+    harness.settle()                               # reconnects at once, mounts, feed shows 'kept'
+    remount = harness.server_a.messages(m.MountRequest)[-1]
+    assert remount.seq_num > first_seq and remount.client_hwm == -1
+    assert outcome(results[1]).committed and kept.executions == 1
+    # the mount response failed 'lost' (older, pending) which was retried, then 'blocked' went out
+    assert lost.executions == 2 and blocked.executions == 1
+    assert [a.header for a in harness.server_a.messages(m.AppendRequest)[appends_before:]] == [1, 3]
+    assert all(outcome(r).committed for r in results)
+    assert [t.header for t in client.callbacks.applied] == [2, 1, 3]
+
+
+def test_reconnect_backs_off_while_the_server_is_down(harness):
+    client = harness.client(**{"client.reconnectInitialInterval": 100, "client.reconnectMaxInterval": 400})
+    server = harness.network.take_down(EP_A)
+    attempts = lambda: len(harness.network.attempts)  # noqa: E731
+    before = attempts()
+    harness.settle()
+    assert attempts() == before + 2              # stream and RPC try again at once
+    harness.settle(0.1)
+    assert attempts() == before + 4
+    harness.settle(0.2)
+    assert attempts() == before + 6
+    harness.settle(0.4)
+    harness.settle(0.4)
+    assert attempts() == before + 10
+    harness.network.add_server(EP_A, server)
+    harness.settle(0.4)
+    assert client.partition_state(0) is PartitionState.MOUNTED
+
+
+def test_a_partition_moving_to_another_server_is_remounted_with_its_new_generation(harness):
+    client = harness.client()
+    harness.server_a.hold_appends = True
+    context = RecordingContext()
+    d = client.execute(context)
+    harness.settle()
+    harness.server_a.partitions = {1}
+    harness.server_b.partitions = {0}
+    harness.discovery.move(0, EP_B, 2)
+    harness.settle()
+    [mount] = harness.server_b.messages(m.MountRequest)
+    assert mount.req_id.generation == 2 and mount.req_id.partition_id == 0
+    [retry] = harness.server_b.messages(m.AppendRequest)
+    assert retry.req_id.generation == 2
+    assert context.executions == 2 and outcome(d).committed
+
+
+def test_a_partition_without_a_live_server_waits(harness):
+    client = harness.client()
+    harness.discovery.move(0, None, 0)
+    harness.settle()
+    assert client.partition_state(0) is PartitionState.WAITING_FOR_SERVER
+    context = RecordingContext()
+    d = client.execute(context)
+    harness.settle()
+    assert context.executions == 0
+    harness.discovery.move(0, EP_A, 3)
+    harness.settle()
+    assert outcome(d).committed
+
+
+def test_connections_to_a_server_without_partitions_are_closed(harness):
+    harness.server_b.partitions = {0, 1}
+    client = harness.client()
+    assert len(harness.server_a.connections) == 2
+    harness.discovery.move(0, EP_B, 2)
+    harness.discovery.move(1, EP_B, 2)
+    harness.settle()
+    assert harness.server_a.connections == [] and len(harness.server_b.connections) == 2
+    assert client.partition_state(1) is PartitionState.MOUNTED
+
+
+# --- transaction data and high-water marks ------------------------------------------------------------
+
+def test_transaction_data_is_fetched_lazily_over_rpc(harness):
+    harness.commit(0, data=b"hello")
+    callbacks = RecordingCallbacks()
+    harness.client(callbacks)
+    assert harness.server_a.messages(m.TransactionDataRequest) == []
+    d = callbacks.applied[0].get_data()
+    harness.settle()
+    assert d.result == b"hello"
+    [request] = harness.server_a.messages(m.TransactionDataRequest)
+    rpc = [p for p, msg in harness.server_a.received if msg is request][0]
+    assert not rpc.feeds                      # the RPC connection, not the stream one
+
+
+def test_transaction_data_with_a_bad_checksum_is_fetched_again(harness):
+    harness.commit(0, data=b"hello")
+    client = harness.client()
+    harness.server_a.corrupt[0] = 2
+    d = client.get_transaction_data(0, 0)
+    harness.settle()
+    assert d.result == b"hello"
+    assert len(harness.server_a.messages(m.TransactionDataRequest)) == 3
+
+
+def test_transaction_data_failing_its_checksum_too_often_fails(harness):
+    harness.commit(0, data=b"hello")
+    client = harness.client(**{"client.maxDataFetchRetries": 5})
+    harness.server_a.corrupt[0] = 100
+    d = client.get_transaction_data(0, 0)
+    harness.settle()
+    failure = []
+    d.addErrback(failure.append)
+    assert "failed its checksum 6 times" in failure[0].getErrorMessage()
+    assert len(harness.server_a.messages(m.TransactionDataRequest)) == 6
+    assert len(harness.server_a.connections) == 2     # the connection stayed up
+
+
+def test_transaction_data_errors_from_the_server_fail_the_fetch(harness):
+    harness.commit(0)
+    client = harness.client()
+    harness.server_a.data_errors[0] = "no such transaction"
+    d = client.get_transaction_data(0, 0)
+    harness.settle()
+    failure = []
+    d.addErrback(failure.append)
+    assert "no such transaction" in failure[0].getErrorMessage()
+
+
+def test_pending_data_requests_are_sent_again_after_a_reconnect(harness):
+    harness.commit(0, data=b"x")
+    client = harness.client()
+    server = harness.network.take_down(EP_A)
+    d = client.get_transaction_data(0, 0)
+    harness.settle()
+    assert not d.called
+    harness.network.add_server(EP_A, server)
+    harness.settle(0.1)
+    assert d.result == b"x"
+
+
+def test_high_water_marks(harness):
+    harness.commit(0)
+    harness.commit(0)
+    client = harness.client()
+    d = client.high_water_marks()
+    harness.settle()
+    assert d.result == {0: 1, 1: -1}
+
+
+# --- partitions chosen by the application ---------------------------------------------------------
+
+def test_set_partitions_mounts_only_the_chosen_ones(harness):
+    client = harness.client(**{"client.autoMount": False})
+    assert harness.server_a.messages(m.MountRequest) == []
+    assert client.partition_state(0) is PartitionState.INACTIVE
+    result = outcome(client.execute(RecordingContext()))
+    assert isinstance(result.error, PartitionInactiveError)
+    client.set_partitions([1])
+    harness.settle()
+    assert client.partitions == {1}
+    assert [r.req_id.partition_id for r in harness.server_a.messages(m.MountRequest)] == [1]
+    d = client.execute(RecordingContext(partition=1))
+    harness.settle()
+    assert outcome(d).committed
+
+
+def test_dropping_a_partition_settles_its_pending_appends_first(harness):
+    client = harness.client(**{"client.autoMount": False, "client.maxConcurrentTransactions": 1})
+    client.set_partitions([0])
+    harness.settle()
+    harness.server_a.hold_appends = True
+    sent, queued = RecordingContext(), RecordingContext()
+    client.execute(sent)
+    harness.settle()
+    client.execute(queued)
+    client.set_partitions([])
+    harness.settle()
+    assert queued.events == [("exception", "PartitionInactiveError")]
+    assert client.partition_state(0) is PartitionState.INACTIVE      # the flush showed 'sent' lost
+    assert sent.events == ["execute", ("exception", "PartitionInactiveError")]
+
+
+def test_set_partitions_needs_auto_mount_off(harness):
+    client = harness.client()
+    with pytest.raises(ValueError):
+        client.set_partitions([0])
+
+
+# --- reading ranges ----------------------------------------------------------------------------------
+
+def test_read_transactions_mounts_under_another_client_id(harness):
+    for header in range(6):
+        harness.commit(0, header=header % 2, data=b"d%d" % header)
+    client = harness.client(**{"client.autoMount": False})
+    d = client.read_transactions(0, 2, 4)
+    harness.settle()
+    records = outcome(d)
+    assert [(r.transaction_id, r.header, r.data) for r in records] == [(2, 0, b"d2"), (3, 1, b"d3"), (4, 0, b"d4")]
+    [mount] = harness.server_a.messages(m.MountRequest)
+    assert mount.client_hwm == 1 and mount.req_id.client_id != client.client_id
+    assert len(harness.server_a.connections) == 2      # the read's own connection is closed
+
+
+def test_read_transactions_filters_headers_and_stops_at_the_hwm(harness):
+    for header in range(5):
+        harness.commit(0, header=header, data=b"d%d" % header)
+    client = harness.client()
+    d = client.read_transactions(0, 0, headers={1, 3}, include_data=False)
+    harness.settle()
+    assert [(r.transaction_id, r.data) for r in outcome(d)] == [(1, None), (3, None)]
+    assert harness.server_a.messages(m.TransactionDataRequest) == []
+
+
+def test_read_transactions_waits_for_transactions_beyond_the_hwm(harness):
+    harness.commit(0)
+    client = harness.client()
+    d = client.read_transactions(0, 0, 2)
+    harness.settle()
+    assert outcome(d) is None
+    harness.commit(0)
+    harness.commit(0)
+    harness.settle()
+    assert [r.transaction_id for r in outcome(d)] == [0, 1, 2]
+
+
+def test_read_transactions_beyond_the_log_fails(harness):
+    client = harness.client()
+    d = client.read_transactions(0, 5, 9)
+    harness.settle()
+    failure = []
+    d.addErrback(failure.append)
+    assert "the log ends before it" in failure[0].getErrorMessage()
+
+
+# --- closing ------------------------------------------------------------------------------------------
+
+def test_close_fails_pending_executions_and_closes_connections(harness):
+    client = harness.client()
+    harness.server_a.hold_appends = True
+    context = RecordingContext()
+    d = client.execute(context)
+    harness.settle()
+    client.close()
+    harness.settle()
+    result = outcome(d)
+    assert result.outcome is Outcome.FAILED and isinstance(result.error, ClientClosedError)
+    assert harness.server_a.connections == [] and harness.discovery.closed
+    later = outcome(client.execute(RecordingContext()))
+    assert isinstance(later.error, ClientClosedError)
+
+
+def test_req_ids_number_appends_per_partition(harness):
+    client = harness.client()
+    for pid in (0, 1, 0):
+        client.execute(RecordingContext(partition=pid))
+    harness.settle()
+    ids = [a.req_id for a in harness.server_a.messages(m.AppendRequest)]
+    assert [i.partition_id for i in ids] == [0, 1, 0]
+    assert ids[2].seq_num > ids[0].seq_num
+    assert all(isinstance(i, ReqId) for i in ids)
+
+
+def test_the_mount_response_settles_pending_appends_only_after_the_feed_before_it_is_applied(harness):
+    callbacks = RecordingCallbacks()
+    client = harness.client(callbacks)
+    harness.server_a.hold_appends = True
+    context = RecordingContext()
+    d = client.execute(context)
+    harness.settle()
+    request = harness.server_a.held.pop().request
+    harness.server_a.hold_appends = False
+    for proto in list(harness.server_a.connections):
+        proto.feeds.clear()
+    harness.commit(0)                              # someone else's transaction, then ours:
+    harness.server_a.commit_request(request)       # committed, but the client has seen neither
+    callbacks.hold = True                          # the application is slow to apply
+    harness.network.disconnect(EP_A)
+    harness.settle()                               # remount: FEED_DATA x2, then MOUNT_RESPONSE(READY)
+    assert client.partition_state(0) is PartitionState.MOUNTING and outcome(d) is None
+    callbacks.release()
+    harness.settle()
+    assert context.executions == 1 and outcome(d).committed
+    callbacks.release()
+    assert client.partition_state(0) is PartitionState.MOUNTED
+    assert callbacks.applied_ids(0) == [0, 1]
+
+
+def test_an_append_lost_in_a_reconnect_fails_when_the_mount_completes(harness):
+    client = harness.client()
+    harness.server_a.hold_appends = True
+    context = RecordingContext()
+    d = client.execute(context)
+    harness.settle()
+    harness.server_a.held = []                     # the server lost it with the connection
+    harness.server_a.hold_appends = False
+    harness.network.disconnect(EP_A)
+    harness.settle()
+    assert context.executions == 2 and outcome(d).committed   # no flush or long wait was needed
+    assert harness.server_a.messages(m.FlushRequest) == []
+
+
+class SlowContext(RecordingContext):
+    """A context whose execute returns a Deferred (e.g. it reads the application's database in a thread)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.pending = []
+
+    def execute(self, builder):
+        proceed = super().execute(builder)
+        d = defer.Deferred()
+        self.pending.append((d, proceed))
+        return d
+
+    def finish(self, error=None):
+        d, proceed = self.pending.pop(0)
+        if error is None:
+            d.callback(proceed)
+        else:
+            d.errback(error)
+
+
+def test_execute_may_return_a_deferred_and_holds_its_slot_meanwhile(harness):
+    client = harness.client(**{"client.maxConcurrentTransactions": 1})
+    slow, quick = SlowContext(header=1), RecordingContext(header=2)
+    results = [client.execute(slow), client.execute(quick)]
+    harness.settle()
+    assert harness.server_a.messages(m.AppendRequest) == [] and quick.executions == 0
+    slow.finish()
+    harness.settle()
+    assert [a.header for a in harness.server_a.messages(m.AppendRequest)] == [1, 2]
+    assert all(outcome(r).committed for r in results)
+
+
+def test_a_context_still_building_across_a_remount_is_executed_again(harness):
+    client = harness.client()
+    slow = SlowContext()
+    d = client.execute(slow)
+    harness.settle()
+    harness.server_b.partitions = {0}
+    harness.discovery.move(0, EP_B, 2)
+    harness.settle()
+    slow.finish()                          # built for generation 1: dropped, built again
+    harness.settle()
+    assert slow.executions == 2 and harness.server_a.messages(m.AppendRequest) == []
+    slow.finish()
+    harness.settle()
+    [append] = harness.server_b.messages(m.AppendRequest)
+    assert append.req_id.generation == 2 and outcome(d).committed
+
+
+def test_a_failing_deferred_from_execute_ends_the_context(harness):
+    client = harness.client()
+    slow = SlowContext()
+    d = client.execute(slow)
+    slow.finish(KeyError("gone"))
+    result = outcome(d)
+    assert result.outcome is Outcome.FAILED and isinstance(result.error, KeyError)
+    assert slow.events[-1] == ("exception", "KeyError")
+    after = client.execute(RecordingContext())      # its slot was released
+    harness.settle()
+    assert outcome(after).committed
+
+
+def test_when_applied_lets_the_application_read_its_own_write(harness):
+    callbacks = RecordingCallbacks()
+    client = harness.client(callbacks)
+    harness.commit(0)
+    callbacks.hold = True
+    d = client.execute(RecordingContext())
+    harness.settle()
+    result = outcome(d)
+    assert result.committed and (result.partition_id, result.transaction_id) == (0, 1)
+    applied = client.when_applied(0, result.transaction_id)
+    assert outcome(applied) is None            # committed, but not applied yet
+    callbacks.release()
+    assert outcome(applied) == 1 and outcome(client.when_applied(0, 0)) == 1
+    pending = client.when_applied(0, 5)
+    client.close()
+    assert outcome(pending).check(ClientClosedError)
+
+
+def test_a_failing_high_water_mark_read_is_reported_and_retried(harness):
+    callbacks = RecordingCallbacks()
+    answers = [RuntimeError("database down"), "not a number", 0]
+
+    def get_client_high_water_mark(partition_id):
+        if partition_id == 1:
+            return -1
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+    callbacks.get_client_high_water_mark = get_client_high_water_mark
+    harness.commit(0)
+    harness.commit(0)
+    client = harness.client(callbacks)
+    assert client.partition_state(0) is PartitionState.INACTIVE
+    assert [(pid, txn, type(e).__name__) for pid, txn, e in callbacks.errors] == [(0, -1, "RuntimeError")]
+    harness.settle(0.5)
+    assert [type(e).__name__ for _, _, e in callbacks.errors] == ["RuntimeError", "ValueError"]
+    harness.settle(0.5)
+    assert client.partition_state(0) is PartitionState.MOUNTED and callbacks.applied_ids(0) == [1]
+
+
+def test_a_client_that_cannot_join_fails_its_executions(harness):
+    from waltz.zk.errors import ClusterNotFoundError
+    client = harness.client(join=False)
+    assert outcome(client.high_water_mark(0)).check(WaltzClientError)
+    waiting = client.execute(RecordingContext())
+    started = client.when_started()
+    harness.discovery._waiting.pop().errback(ClusterNotFoundError("no Waltz cluster at /test"))
+    assert client.state is ClientState.FAILED
+    assert outcome(started).check(ClusterNotFoundError)
+    assert isinstance(outcome(waiting).error, ClusterNotFoundError)
+    assert isinstance(outcome(client.execute(RecordingContext())).error, ClusterNotFoundError)
+
+
+def test_a_slow_application_pauses_reading_the_stream_connection(harness):
+    callbacks = RecordingCallbacks()
+    client = harness.client(callbacks)
+    callbacks.hold = True
+    for _ in range(700):
+        harness.commit(0)
+    stream = client._servers[EP_A].stream.protocol
+    assert stream.reading_paused and stream.inbound_pending == 600
+    while callbacks.pending:
+        callbacks.release()
+        harness.settle()
+    assert not stream.reading_paused and callbacks.applied_ids(0) == list(range(700))

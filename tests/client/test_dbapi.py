@@ -1,0 +1,197 @@
+"""DbApiClientCallbacks on sqlite3: the high-water mark moves in the same database transaction as the
+application's change, so a crash before the commit applies nothing and nothing is applied twice."""
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer
+
+from tests.client.conftest import Harness
+from waltz.client.api import JsonSerializer, Transaction, TransactionContext
+from waltz.client.dbapi import DatabaseBehindError, DbApiClientCallbacks, _sql
+from waltz.protocols import client_messages as m
+from waltz.protocols.values import ReqId
+
+
+class Bank(DbApiClientCallbacks):
+    """Each transaction's data is {"account": id, "amount": n}; ``crash_after_write`` raises mid-apply."""
+
+    crash_after_write = False
+
+    def apply_to_database(self, transaction, data, cursor):
+        change = json.loads(data)
+        cursor.execute("UPDATE ACCOUNTS SET BALANCE = BALANCE + ? WHERE ID = ?", (change["amount"], change["account"]))
+        if self.crash_after_write:
+            raise RuntimeError("crash between the write and the commit")
+
+
+def sync(function, *args):
+    return defer.maybeDeferred(function, *args)
+
+
+def make_db(path):
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE ACCOUNTS (ID INTEGER PRIMARY KEY, BALANCE INTEGER NOT NULL)")
+    conn.execute("INSERT INTO ACCOUNTS VALUES (1, 100)")
+    conn.commit()
+    conn.close()
+
+
+def state(path, partition=0):
+    conn = sqlite3.connect(path)
+    try:
+        balance = conn.execute("SELECT BALANCE FROM ACCOUNTS WHERE ID = 1").fetchone()[0]
+        row = conn.execute("SELECT HIGH_WATER_MARK FROM WALTZ_CLIENT_HIGH_WATER_MARK WHERE PARTITION_ID = ?",
+                           (partition,)).fetchone()
+        return balance, (row[0] if row else None)
+    finally:
+        conn.close()
+
+
+class DataReader:
+    def __init__(self, data):
+        self.data = data
+
+    def fetch_data(self, transaction_id):
+        return defer.succeed(self.data[transaction_id])
+
+
+def transaction(txn, amount, pid=0):
+    data = json.dumps({"account": 1, "amount": amount}).encode()
+    return Transaction(pid, txn, 0, ReqId(1, 1, pid, txn), DataReader({txn: data}))
+
+
+@pytest.fixture
+def bank(tmp_path):
+    path = str(tmp_path / "bank.db")
+    make_db(path)
+    callbacks = Bank(lambda: sqlite3.connect(path), run=sync)
+    callbacks.create_table()
+    callbacks.path = path
+    return callbacks
+
+
+def test_the_first_read_stores_minus_one(bank):
+    assert bank.get_client_high_water_mark(0).result == -1
+    assert state(bank.path) == (100, -1)
+    assert bank.get_client_high_water_mark(0).result == -1
+
+
+def test_apply_moves_the_mark_with_the_change(bank):
+    bank.get_client_high_water_mark(0)
+    assert bank.apply_transaction(transaction(0, 5)).result is True
+    assert bank.apply_transaction(transaction(1, -20)).result is True
+    assert state(bank.path) == (85, 1)
+
+
+def test_a_transaction_already_applied_elsewhere_is_skipped(bank, tmp_path):
+    bank.get_client_high_water_mark(0)
+    other = Bank(lambda: sqlite3.connect(bank.path), run=sync)    # another application process
+    assert other.apply_transaction(transaction(0, 5)).result is True
+    assert bank.apply_transaction(transaction(0, 5)).result is False
+    assert state(bank.path) == (105, 0)
+
+
+def test_a_failure_before_the_commit_applies_nothing(bank):
+    bank.get_client_high_water_mark(0)
+    bank.crash_after_write = True
+    failures = []
+    bank.apply_transaction(transaction(0, 5)).addErrback(failures.append)
+    assert failures and state(bank.path) == (100, -1)
+    bank.crash_after_write = False
+    assert bank.apply_transaction(transaction(0, 5)).result is True
+    assert state(bank.path) == (105, 0)
+
+
+def test_a_mark_behind_the_transaction_is_an_error(bank):
+    bank.get_client_high_water_mark(0)
+    failures = []
+    bank.apply_transaction(transaction(3, 5)).addErrback(failures.append)
+    assert failures[0].check(DatabaseBehindError)
+    assert state(bank.path) == (100, -1)
+
+
+def test_a_process_crash_between_apply_and_commit_applies_nothing(bank):
+    bank.get_client_high_water_mark(0)
+    script = textwrap.dedent("""
+        import json, os, sqlite3, sys
+        from twisted.internet import defer
+        from tests.client.test_dbapi import Bank, sync, transaction
+        class Crashing(Bank):
+            def apply_to_database(self, txn, data, cursor):
+                super().apply_to_database(txn, data, cursor)
+                os._exit(3)              # the process dies after the write, before the commit
+        Crashing(lambda: sqlite3.connect(sys.argv[1]), run=sync).apply_transaction(transaction(0, 5))
+    """)
+    result = subprocess.run([sys.executable, "-c", script, bank.path], cwd=os.getcwd(), timeout=60)
+    assert result.returncode == 3
+    assert state(bank.path) == (100, -1)
+    assert bank.apply_transaction(transaction(0, 5)).result is True
+    assert state(bank.path) == (105, 0)
+
+
+def test_paramstyles():
+    assert _sql("A = {} AND B = {}", "qmark") == "A = ? AND B = ?"
+    assert _sql("A = {}", "format") == "A = %s"
+    with pytest.raises(ValueError):
+        _sql("A = {}", "named")
+
+
+class Deposit(TransactionContext):
+    def __init__(self, amount):
+        self.amount = amount
+
+    def partition_id(self, num_partitions):
+        return 0
+
+    def execute(self, builder):
+        builder.set_transaction_data({"account": 1, "amount": self.amount}, JsonSerializer())
+        return True
+
+
+def test_a_client_applies_the_feed_into_sqlite_and_resumes_after_a_restart(tmp_path):
+    path = str(tmp_path / "bank.db")
+    make_db(path)
+    harness = Harness()
+    deposit = lambda amount: json.dumps({"account": 1, "amount": amount}).encode()  # noqa: E731
+    callbacks = Bank(lambda: sqlite3.connect(path), run=sync)
+    callbacks.create_table()
+    client = harness.client(callbacks)
+    client.execute(Deposit(7))
+    harness.commit(0, data=deposit(3))
+    harness.settle()
+    assert state(path) == (110, 1)
+    client.close()
+    harness.commit(0, data=deposit(-50))               # committed while the application is down
+    restarted = harness.client(Bank(lambda: sqlite3.connect(path), run=sync))
+    mounts = [r for r in harness.server_a.messages(m.MountRequest) if r.req_id.partition_id == 0]
+    assert [r.client_hwm for r in mounts] == [-1, 1]   # the restart resumed from the stored mark
+    assert state(path) == (60, 2) and restarted.client_high_water_mark(0) == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_database_work_runs_in_its_own_thread(tmp_path):
+    import threading
+    path = str(tmp_path / "bank.db")
+    make_db(path)
+    threads = set()
+
+    class Recording(Bank):
+        def apply_to_database(self, txn, data, cursor):
+            threads.add(threading.current_thread().name)
+            super().apply_to_database(txn, data, cursor)
+    callbacks = Recording(lambda: sqlite3.connect(path))
+    try:
+        await callbacks.create_table()
+        assert (await callbacks.get_client_high_water_mark(0)) == -1
+        assert (await callbacks.apply_transaction(transaction(0, 1))) is True
+    finally:
+        await callbacks.close()
+    assert threads and threading.main_thread().name not in threads
+    assert state(path) == (101, 0)

@@ -1,0 +1,124 @@
+"""ManagedConnection (reconnect with back-off, per-connection sequence numbers) and the client codec."""
+
+import itertools
+
+import pytest
+from twisted.internet import defer, error
+from twisted.internet.task import Clock
+
+from tests.client.fakes import EP_A, FakeNetwork, FakeServer, FakeStore
+from waltz.client.network import (
+    CLIENT_SIDE_CODEC, Backoff, ConnectionState, DataChecksumMismatch, Endpoint, ManagedConnection)
+from waltz.protocols import client_messages as m
+from waltz.protocols.errors import ChecksumError
+from waltz.protocols.values import ReqId
+
+RID = ReqId(1, 2, 0, 4)
+
+
+class Listener:
+    def __init__(self):
+        self.events = []
+
+    def connection_ready(self, conn):
+        self.events.append(("ready", conn.seq_num))
+
+    def connection_lost(self, conn):
+        self.events.append(("lost", conn.seq_num))
+
+    def connection_message(self, conn, message):
+        self.events.append(("message", message))
+
+
+@pytest.fixture
+def setup():
+    clock = Clock()
+    network = FakeNetwork(clock)
+    server = network.add_server(EP_A, FakeServer(FakeStore(1), [0]))
+    listener = Listener()
+    conn = ManagedConnection(EP_A, "stream", listener, network.connect, clock, Backoff(0.1, 0.4),
+                             itertools.count(10))
+    return clock, network, server, listener, conn
+
+
+def test_ready_only_after_the_hello_exchange(setup):
+    clock, network, server, listener, conn = setup
+    conn.start()
+    assert conn.state is ConnectionState.CONNECTING and not conn.send(m.FlushRequest(RID))
+    network.flush()
+    assert conn.state is ConnectionState.READY and listener.events == [("ready", 10)]
+    assert conn.send(m.HighWaterMarkRequest(RID))
+    network.flush()
+    assert server.messages(m.HighWaterMarkRequest) == [m.HighWaterMarkRequest(RID)]
+    assert listener.events[-1] == ("message", m.HighWaterMarkResponse(RID, -1))
+
+
+def test_a_lost_connection_is_replaced_at_once_with_the_next_sequence_number(setup):
+    clock, network, server, listener, conn = setup
+    conn.start()
+    network.flush()
+    network.disconnect(EP_A)
+    assert listener.events == [("ready", 10), ("lost", 10)]
+    assert conn.state is ConnectionState.BACKING_OFF
+    clock.advance(0)
+    network.flush()
+    assert listener.events[-1] == ("ready", 11) and conn.seq_num == 11
+
+
+def test_refused_connections_back_off_doubling_up_to_the_maximum(setup):
+    clock, network, server, listener, conn = setup
+    times = []
+
+    def refusing(endpoint, factory):
+        times.append(clock.seconds())
+        if len(times) < 7:
+            return defer.fail(error.ConnectionRefusedError())
+        return network.connect(endpoint, factory)
+    conn._connector = refusing
+    conn.start()
+    while clock.getDelayedCalls():
+        clock.advance(min(call.getTime() for call in clock.getDelayedCalls()) - clock.seconds())
+    network.flush()
+    assert [round(b - a, 2) for a, b in zip(times, times[1:])] == [0.0, 0.1, 0.2, 0.4, 0.4, 0.4]
+    assert conn.ready and listener.events == [("ready", 16)]
+
+
+def test_close_stops_reconnecting_and_reporting(setup):
+    clock, network, server, listener, conn = setup
+    conn.start()
+    network.flush()
+    conn.close()
+    network.flush()
+    clock.advance(10)
+    assert conn.state is ConnectionState.CLOSED and listener.events == [("ready", 10)]
+    assert len(network.attempts) == 1 and server.connections == []
+
+
+def test_backoff_resets_after_success():
+    backoff = Backoff(0.1, 1.0)
+    assert [backoff.next_delay() for _ in range(6)] == [0.0, 0.1, 0.2, 0.4, 0.8, 1.0]
+    backoff.reset()
+    assert backoff.next_delay() == 0.0
+
+
+def test_a_corrupt_data_response_decodes_to_a_mismatch_marker():
+    bad = m.TransactionDataResponse(RID, 9, True, b"data", 12345)
+    payload = m.CLIENT_CODEC.encode(bad, 4)
+    with pytest.raises(ChecksumError):
+        m.CLIENT_CODEC.decode(payload, 4)
+    decoded = CLIENT_SIDE_CODEC.decode(payload, 4)
+    assert isinstance(decoded, DataChecksumMismatch)
+    assert (decoded.req_id, decoded.transaction_id) == (RID, 9)
+    good = m.TransactionDataResponse.success(RID, 9, b"data")
+    assert CLIENT_SIDE_CODEC.decode(m.CLIENT_CODEC.encode(good, 4), 4) == good
+
+
+def test_other_checksum_errors_still_close_the_connection():
+    bad = m.AppendRequest(RID, 0, (), (), (), 0, b"data", 1)
+    with pytest.raises(ChecksumError):
+        CLIENT_SIDE_CODEC.decode(m.CLIENT_CODEC.encode(bad, 4), 4)
+
+
+def test_endpoint_parse_and_str():
+    assert Endpoint.parse("example.org:55180") == Endpoint("example.org", 55180)
+    assert str(Endpoint("h", 1)) == "h:1"

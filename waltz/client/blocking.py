@@ -1,0 +1,204 @@
+"""A blocking facade over :class:`~waltz.client.client.WaltzClient`, for scripts and Spark executors.
+
+:class:`BlockingWaltzClient` is not a second client: it runs the same ``WaltzClient``
+on the reactor, in a daemon thread it starts when no reactor runs yet
+(:func:`ensure_reactor_running`), and turns each call into a blocking one. It must
+not be used from the reactor thread itself (that would deadlock; it raises instead).
+
+Application callbacks written for blocking code (plain functions that may do
+blocking I/O) are run by :class:`ThreadedCallbacks` in one worker thread, in order;
+their :class:`BlockingTransaction` has a blocking ``get_data()``. Callbacks that
+already return Deferreds (such as :class:`~waltz.client.dbapi.DbApiClientCallbacks`,
+marked ``runs_on_reactor = True``) are used as they are. Transaction contexts'
+methods always run on the reactor thread and must be quick.
+"""
+
+import queue
+import threading
+
+import attr
+from twisted.internet import defer, threads
+from twisted.python import threadable
+from twisted.python.failure import Failure
+from twisted.python.threadpool import ThreadPool
+from zope.interface import implementer
+
+from waltz.client.api import IWaltzClientCallbacks
+from waltz.client.client import WaltzClient
+
+_start_lock = threading.Lock()
+
+
+def ensure_reactor_running(reactor, timeout=30.0):
+    """Make sure ``reactor`` runs, starting it in a daemon thread if needed; refuse the reactor thread."""
+    with _start_lock:
+        if reactor.running:
+            if threadable.isInIOThread():
+                raise RuntimeError("BlockingWaltzClient cannot be used on the reactor thread; use WaltzClient")
+            return
+        started = threading.Event()
+        reactor.callWhenRunning(started.set)
+        thread = threading.Thread(target=reactor.run, kwargs={"installSignalHandlers": False},
+                                  name="waltz-reactor", daemon=True)
+        thread.start()
+        if not started.wait(timeout):
+            raise RuntimeError("the reactor did not start within %s s" % timeout)
+
+
+def call_blocking(reactor, function, *args, timeout=None, **kwargs):
+    """Run ``function`` on the reactor thread and wait for its (possibly Deferred) result.
+
+    Raises the function's exception, or :class:`TimeoutError` after ``timeout`` seconds
+    (the call itself goes on).
+    """
+    results = queue.Queue()
+
+    def run():
+        defer.maybeDeferred(function, *args, **kwargs).addBoth(results.put)
+    reactor.callFromThread(run)
+    try:
+        result = results.get(timeout=timeout)
+    except queue.Empty:
+        raise TimeoutError("no answer from the Waltz client within %s s" % timeout) from None
+    if isinstance(result, Failure):
+        result.raiseException()
+    return result
+
+
+@attr.s(frozen=True, slots=True)
+class BlockingTransaction:
+    """A :class:`~waltz.client.api.Transaction` for callbacks running in a worker thread."""
+
+    transaction = attr.ib()
+    reactor = attr.ib(repr=False)
+
+    @property
+    def partition_id(self):
+        return self.transaction.partition_id
+
+    @property
+    def transaction_id(self):
+        return self.transaction.transaction_id
+
+    @property
+    def header(self):
+        return self.transaction.header
+
+    @property
+    def req_id(self):
+        return self.transaction.req_id
+
+    def get_data(self, serializer=None, timeout=None):
+        """The transaction's data (deserialized by ``serializer`` when given); blocks."""
+        return call_blocking(self.reactor, self.transaction.get_data, serializer, timeout=timeout)
+
+
+@implementer(IWaltzClientCallbacks)
+class ThreadedCallbacks:
+    """Runs blocking application callbacks in one worker thread, one call at a time."""
+
+    def __init__(self, callbacks, reactor):
+        self._callbacks = callbacks
+        self._reactor = reactor
+        self._pool = ThreadPool(1, 1, name="waltz-callbacks")
+        self._pool.start()
+
+    def _run(self, function, *args):
+        return threads.deferToThreadPool(self._reactor, self._pool, function, *args)
+
+    def get_client_high_water_mark(self, partition_id):
+        return self._run(self._callbacks.get_client_high_water_mark, partition_id)
+
+    def apply_transaction(self, transaction):
+        return self._run(self._callbacks.apply_transaction, BlockingTransaction(transaction, self._reactor))
+
+    def uncaught_exception(self, partition_id, transaction_id, exception):
+        self._run(self._callbacks.uncaught_exception, partition_id, transaction_id, exception)
+
+    def stop(self):
+        self._pool.stop()
+
+
+class BlockingWaltzClient:
+    """Blocking calls on a :class:`WaltzClient` running on the reactor (see the module docstring).
+
+    ``threaded_callbacks``: run the callbacks in a worker thread (default: unless the
+    callbacks say ``runs_on_reactor = True``). ``timeout`` (seconds, None: wait forever)
+    bounds every call, including the start-up. Other keyword arguments go to ``WaltzClient``.
+    """
+
+    def __init__(self, callbacks, config, reactor=None, *, timeout=60.0, threaded_callbacks=None, **client_kwargs):
+        if reactor is None:
+            from twisted.internet import reactor
+        self._reactor = reactor
+        self.timeout = timeout
+        ensure_reactor_running(reactor)
+        if threaded_callbacks is None:
+            threaded_callbacks = not getattr(callbacks, "runs_on_reactor", False)
+        self._threaded = ThreadedCallbacks(callbacks, reactor) if threaded_callbacks else None
+        self.client = self._call(WaltzClient, self._threaded or callbacks, config, reactor, **client_kwargs)
+        try:
+            self._call(self.client.when_started)
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(self, function, *args, **kwargs):
+        return call_blocking(self._reactor, function, *args, timeout=self.timeout, **kwargs)
+
+    @property
+    def client_id(self) -> int:
+        return self.client.client_id
+
+    @property
+    def num_partitions(self) -> int:
+        return self.client.num_partitions
+
+    def execute(self, context, timeout=None):
+        """Execute a transaction context; returns its :class:`~waltz.client.api.ExecutionResult`."""
+        return call_blocking(self._reactor, self.client.execute, context, timeout=timeout or self.timeout)
+
+    def when_applied(self, partition_id, transaction_id):
+        """Block until this client has applied ``transaction_id`` of the partition."""
+        return self._call(self.client.when_applied, partition_id, transaction_id)
+
+    def flush(self, partition_id=None):
+        return self._call(self.client.flush, partition_id)
+
+    def high_water_mark(self, partition_id) -> int:
+        return self._call(self.client.high_water_mark, partition_id)
+
+    def high_water_marks(self) -> dict:
+        """``{partition id: high-water mark}`` of every partition."""
+        return self._call(self.client.high_water_marks)
+
+    def get_transaction_data(self, partition_id, transaction_id) -> bytes:
+        return self._call(self.client.get_transaction_data, partition_id, transaction_id)
+
+    def read_transactions(self, partition_id, start, end=None, headers=None, include_data=True):
+        """The :class:`~waltz.client.api.TransactionRecord` list of ``start..end`` (see
+        ``WaltzClient.read_transactions``)."""
+        return self._call(self.client.read_transactions, partition_id, start, end, headers, include_data)
+
+    def set_partitions(self, partition_ids):
+        return self._call(self.client.set_partitions, partition_ids)
+
+    def client_high_water_mark(self, partition_id) -> int:
+        return self._call(self.client.client_high_water_mark, partition_id)
+
+    def close(self):
+        """Close the client (and the callbacks' worker thread)."""
+        client = getattr(self, "client", None)
+        try:
+            if client is not None:
+                self._call(client.close)
+        finally:
+            if self._threaded is not None:
+                self._threaded.stop()
+                self._threaded = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()

@@ -1,0 +1,196 @@
+"""Callbacks for applications whose state lives in a SQL database (any DB-API 2.0 driver).
+
+Like the original's ``AbstractClientCallbacksForJDBC``: each committed transaction is
+applied in one database transaction that also advances the client high-water mark
+stored in a table of the same database::
+
+    CREATE TABLE WALTZ_CLIENT_HIGH_WATER_MARK (
+        PARTITION_ID INTEGER NOT NULL PRIMARY KEY,
+        HIGH_WATER_MARK BIGINT NOT NULL
+    )
+
+The update of the high-water mark comes first and is conditional
+(``... SET HIGH_WATER_MARK = txn WHERE PARTITION_ID = p AND HIGH_WATER_MARK = txn - 1``):
+it takes the row's write lock, so when several application processes share the
+database exactly one of them applies each transaction; the others find the mark
+already moved and skip it. Then :meth:`DbApiClientCallbacks.apply_to_database`
+runs on the same cursor, and one commit makes both durable. A crash anywhere
+before the commit leaves both unchanged: the transaction is applied again after
+restart, never twice.
+
+Database calls block, so they run in a thread of their own (one thread: the
+connection is used from it only), never on the reactor. The transaction's data is
+fetched on the reactor first and handed to ``apply_to_database``.
+"""
+
+import sqlite3
+
+from twisted.internet import defer, threads
+from twisted.logger import Logger
+from twisted.python.threadpool import ThreadPool
+
+from waltz.client.api import WaltzClientCallbacks
+
+log = Logger()
+
+DEFAULT_TABLE = "WALTZ_CLIENT_HIGH_WATER_MARK"
+
+_PLACEHOLDERS = {"qmark": "?", "format": "%s", "pyformat": "%s"}
+
+
+def _sql(template, paramstyle):
+    """``template`` with its ``{}`` placeholders written in the driver's ``paramstyle``."""
+    try:
+        return template.replace("{}", _PLACEHOLDERS[paramstyle])
+    except KeyError:
+        raise ValueError("unsupported DB-API paramstyle %r (use qmark, format or pyformat)" % paramstyle) from None
+
+
+class DatabaseBehindError(RuntimeError):
+    """The stored high-water mark is behind the transaction before the one being applied."""
+
+
+class DbApiClientCallbacks(WaltzClientCallbacks):
+    """Base class: override :meth:`apply_to_database` (and optionally ``fetch_data = False``).
+
+    ``connect`` is a function returning a new DB-API connection (called in the database
+    thread, e.g. ``lambda: sqlite3.connect(path)``); ``paramstyle`` is the driver's
+    (``sqlite3.paramstyle``, ``psycopg.paramstyle``...); ``run`` replaces the database
+    thread (``run(function, *args) -> Deferred``, e.g. for tests). Create the table with
+    :meth:`create_table` or your own migration.
+    """
+
+    #: Used as they are by :class:`~waltz.client.blocking.BlockingWaltzClient` (they return Deferreds).
+    runs_on_reactor = True
+    #: Fetch each transaction's data before applying it (False: ``data`` is None).
+    fetch_data = True
+
+    def __init__(self, connect, table=DEFAULT_TABLE, paramstyle=sqlite3.paramstyle, reactor=None, run=None):
+        if not table.replace("_", "").isalnum():
+            raise ValueError("bad table name %r" % table)
+        self._connect = connect
+        self._connection = None
+        self._table = table
+        self._paramstyle = paramstyle
+        self._pool = None
+        if run is None:
+            if reactor is None:
+                from twisted.internet import reactor
+            self._pool = ThreadPool(1, 1, name="waltz-db")
+            self._pool.start()
+            run = lambda function, *args: threads.deferToThreadPool(reactor, self._pool, function, *args)  # noqa: E731
+        self._run = run
+
+    # --- the application's part -------------------------------------------------------------------
+
+    def apply_to_database(self, transaction, data, cursor):
+        """Apply ``transaction`` (its ``data`` already fetched) with ``cursor``; do not commit.
+        Runs in the database thread."""
+        raise NotImplementedError
+
+    # --- WaltzClientCallbacks ----------------------------------------------------------------
+
+    def get_client_high_water_mark(self, partition_id):
+        return self._run(self._read_high_water_mark, partition_id)
+
+    def apply_transaction(self, transaction):
+        d = transaction.get_data() if self.fetch_data else defer.succeed(None)
+        return d.addCallback(lambda data: self._run(self._apply, transaction, data))
+
+    def uncaught_exception(self, partition_id, transaction_id, exception):
+        log.error("partition {pid} transaction {txn}: {error!r}", pid=partition_id, txn=transaction_id,
+                  error=exception)
+
+    # --- in the database thread ------------------------------------------------------------------
+
+    def connection(self):
+        """The database connection (database thread only)."""
+        if self._connection is None:
+            self._connection = self._connect()
+        return self._connection
+
+    def _statement(self, template):
+        return _sql(template.replace("<table>", self._table), self._paramstyle)
+
+    def _read_high_water_mark(self, partition_id):
+        conn = self.connection()
+        cursor = conn.cursor()
+        try:
+            cursor.execute(self._statement("SELECT HIGH_WATER_MARK FROM <table> WHERE PARTITION_ID = {}"),
+                           (partition_id,))
+            row = cursor.fetchone()
+            if row is None:
+                cursor.execute(self._statement(
+                    "INSERT INTO <table> (PARTITION_ID, HIGH_WATER_MARK) VALUES ({}, -1)"), (partition_id,))
+                conn.commit()
+                return -1
+            conn.rollback()
+            return int(row[0])
+        except BaseException:
+            conn.rollback()
+            raise
+        finally:
+            cursor.close()
+
+    def _apply(self, transaction, data):
+        """Advance the mark from ``txn - 1`` to ``txn`` and apply, in one database transaction.
+        True when applied here, False when another process had applied it already."""
+        conn = self.connection()
+        cursor = conn.cursor()
+        pid, txn = transaction.partition_id, transaction.transaction_id
+        try:
+            cursor.execute(self._statement(
+                "UPDATE <table> SET HIGH_WATER_MARK = {} WHERE PARTITION_ID = {} AND HIGH_WATER_MARK = {}"),
+                (txn, pid, txn - 1))
+            if cursor.rowcount == 1:
+                self.apply_to_database(transaction, data, cursor)
+                conn.commit()
+                return True
+            cursor.execute(self._statement("SELECT HIGH_WATER_MARK FROM <table> WHERE PARTITION_ID = {}"), (pid,))
+            row = cursor.fetchone()
+            conn.rollback()
+            stored = row[0] if row is not None else None
+            if stored is None or stored < txn:
+                raise DatabaseBehindError("partition %d: the stored high-water mark is %s, cannot apply "
+                                          "transaction %d" % (pid, stored, txn))
+            return False
+        except BaseException:
+            conn.rollback()
+            raise
+        finally:
+            cursor.close()
+
+    # --- set-up and closing ----------------------------------------------------------------------
+
+    def create_table(self):
+        """Create the high-water mark table if it does not exist; fires when done."""
+        def create():
+            conn = self.connection()
+            cursor = conn.cursor()
+            try:
+                cursor.execute("CREATE TABLE IF NOT EXISTS %s (PARTITION_ID INTEGER NOT NULL PRIMARY KEY, "
+                               "HIGH_WATER_MARK BIGINT NOT NULL)" % self._table)
+                conn.commit()
+            finally:
+                cursor.close()
+        return self._run(create)
+
+    def run_in_database(self, function, *args):
+        """Run ``function(connection, *args)`` in the database thread; fires with its result."""
+        return self._run(lambda: function(self.connection(), *args))
+
+    def close(self):
+        """Close the connection and stop the database thread (blocks until it ends)."""
+        def close_connection():
+            if self._connection is not None:
+                self._connection.close()
+                self._connection = None
+        d = self._run(close_connection)
+        if self._pool is not None:
+            d.addBoth(self._stop_pool)
+        return d
+
+    def _stop_pool(self, result):
+        pool, self._pool = self._pool, None
+        pool.stop()
+        return result

@@ -1,0 +1,216 @@
+"""Tracking appends until the feed, a lock failure, a flush or a remount settles them.
+
+* :class:`Submission`: one ``execute`` call, across all its attempts; it ends exactly
+  once (committed, ignored, expired or failed), calling the context's hook and firing
+  the Deferred the caller holds.
+* :class:`TransactionMonitor`: the appends of one partition that were sent and are not
+  settled yet, in send order, bounded by ``client.maxConcurrentTransactions``. The
+  feed is in commit order and the stream connection keeps the client's own appends
+  in send order, so when the client's own ReqId shows up in the feed, every older
+  pending append of that partition has failed (seed 004, "Detection of Failed Append
+  Requests").
+* :class:`HighWaterMarkGates`: actions waiting until the client's high-water mark
+  reaches a transaction id (retries after a lock failure, deferred flush completions).
+"""
+
+import heapq
+import itertools
+from collections import OrderedDict
+
+from twisted.internet import defer
+from twisted.logger import Logger
+
+from waltz.client.api import ExecutionResult, Outcome
+
+log = Logger()
+
+
+class Submission:
+    """One ``execute(context)`` call on ``partition_id`` until it ends."""
+
+    def __init__(self, context, partition_id):
+        self.context = context
+        self.partition_id = partition_id
+        #: Fires with the :class:`~waltz.client.api.ExecutionResult`; never fails.
+        self.result = defer.Deferred()
+        self.attempts = 0
+        #: After a lock failure: the transaction id the client's high-water mark must reach
+        #: before the next attempt.
+        self.retry_after = None
+        self.expiry_call = None
+
+    @property
+    def done(self) -> bool:
+        return self.result.called
+
+    def is_expired(self, now, expiration) -> bool:
+        """True when ``expiration`` seconds (None: never) have passed since the context's creation."""
+        created = self.context.creation_time
+        return expiration is not None and created is not None and now - created >= expiration
+
+    def committed(self, transaction_id):
+        self._end(ExecutionResult(Outcome.COMMITTED, partition_id=self.partition_id, transaction_id=transaction_id),
+                  "on_completion", True)
+
+    def ignored(self):
+        self._end(ExecutionResult(Outcome.IGNORED), "on_completion", False)
+
+    def expired(self):
+        self._end(ExecutionResult(Outcome.EXPIRED), "on_expiration")
+
+    def failed(self, exception):
+        self._end(ExecutionResult(Outcome.FAILED, exception), "on_exception", exception)
+
+    def applied(self):
+        """The committed transaction was applied by this client's callbacks."""
+        call_hook(self.context, "on_application")
+
+    def lock_failed(self):
+        call_hook(self.context, "on_lock_failure")
+
+    def _end(self, result, hook, *args):
+        if self.done:
+            log.error("transaction context {context!r} ended twice ({outcome})",
+                      context=self.context, outcome=result.outcome)
+            return
+        self.cancel_expiry()
+        call_hook(self.context, hook, *args)
+        self.result.callback(result)
+
+    def cancel_expiry(self):
+        if self.expiry_call is not None and self.expiry_call.active():
+            self.expiry_call.cancel()
+        self.expiry_call = None
+
+
+def call_hook(context, name, *args):
+    """Call ``context.<name>(*args)``; an exception is logged, never propagated."""
+    try:
+        getattr(context, name)(*args)
+    except Exception:
+        log.failure("{name} of transaction context {context!r} raised", name=name, context=context)
+
+
+class TransactionMonitor:
+    """The sent, unsettled appends of one partition, oldest first.
+
+    Each registration is settled once: :meth:`committed`, :meth:`abort`,
+    :meth:`flush` and :meth:`fail_all` remove what they settle and return the
+    submissions for the caller to finish or retry.
+    """
+
+    def __init__(self, capacity, clock):
+        self.capacity = capacity
+        self._clock = clock
+        self._pending = OrderedDict()
+        self._waiters = []
+        #: Reactor time of the last registration or settlement (see ``client.longWaitThreshold``).
+        self.last_progress = clock.seconds()
+
+    def __len__(self):
+        return len(self._pending)
+
+    def __contains__(self, req_id):
+        return req_id in self._pending
+
+    @property
+    def has_capacity(self) -> bool:
+        return len(self._pending) < self.capacity
+
+    @property
+    def last_req_id(self):
+        """The ReqId of the most recently sent pending append, or None."""
+        return next(reversed(self._pending)) if self._pending else None
+
+    def get(self, req_id):
+        return self._pending.get(req_id)
+
+    def register(self, req_id, submission):
+        if req_id in self._pending:
+            raise ValueError("duplicate ReqId %r" % (req_id,))
+        self._pending[req_id] = submission
+        self.touch()
+
+    def touch(self):
+        """Record progress now (a registration, a settlement or a flush sent)."""
+        self.last_progress = self._clock.seconds()
+
+    def committed(self, req_id):
+        """The feed carried ``req_id``: ``(its submission or None, older submissions that failed)``."""
+        if req_id not in self._pending:
+            return None, []
+        failed = self._settle_through(req_id)
+        return failed.pop(), failed
+
+    def abort(self, req_id):
+        """``req_id`` failed (a lock failure); the others stay. Its submission, or None."""
+        submission = self._pending.pop(req_id, None)
+        if submission is not None:
+            self._settled()
+        return submission
+
+    def flush(self, req_id):
+        """A flush up to ``req_id`` completed and its transactions were applied: every append up to
+        and including ``req_id`` still pending has failed. Their submissions, oldest first."""
+        return self._settle_through(req_id) if req_id in self._pending else []
+
+    def fail_all(self):
+        """A mount completed: nothing is pending on the server any more. Every submission, oldest first."""
+        failed = list(self._pending.values())
+        self._pending.clear()
+        if failed:
+            self._settled()
+        return failed
+
+    def when_settled(self, req_ids=None):
+        """A Deferred firing once none of ``req_ids`` (default: all pending now) is pending."""
+        waiting = set(self._pending if req_ids is None else req_ids) & set(self._pending)
+        d = defer.Deferred()
+        if waiting:
+            self._waiters.append((waiting, d))
+        else:
+            d.callback(None)
+        return d
+
+    def _settle_through(self, req_id):
+        settled = []
+        while self._pending:
+            other, submission = self._pending.popitem(last=False)
+            settled.append(submission)
+            if other == req_id:
+                break
+        self._settled()
+        return settled
+
+    def _settled(self):
+        self.touch()
+        still, ready = [], []
+        for waiting, d in self._waiters:
+            waiting &= self._pending.keys()
+            (still if waiting else ready).append((waiting, d))
+        self._waiters = still
+        for _, d in ready:
+            d.callback(None)
+
+
+class HighWaterMarkGates:
+    """Actions that run once the client's high-water mark reaches a transaction id, in id order."""
+
+    def __init__(self):
+        self._heap = []
+        self._order = itertools.count()
+
+    def __len__(self):
+        return len(self._heap)
+
+    def wait(self, transaction_id, action):
+        heapq.heappush(self._heap, (transaction_id, next(self._order), action))
+
+    def release(self, high_water_mark):
+        """Run (and forget) every action whose transaction id is at most ``high_water_mark``."""
+        while self._heap and self._heap[0][0] <= high_water_mark:
+            _, _, action = heapq.heappop(self._heap)
+            action()
+
+    def clear(self):
+        self._heap = []

@@ -1,0 +1,736 @@
+"""One partition as the client sees it: mount state, appends, feed, data and high-water mark.
+
+Mount states (:class:`PartitionState`), the only way a partition's state changes is
+:meth:`ClientPartition._set_state`::
+
+    INACTIVE --activate--> ACTIVATING --(application HWM read)--> WAITING_FOR_SERVER
+    WAITING_FOR_SERVER --(location known, stream connection ready; MOUNT sent)--> MOUNTING
+    MOUNTING --READY (after the feed before it was applied)--> MOUNTED
+    MOUNTING --NOT_READY--> MOUNT_RETRY --(client.mountRetryInterval)--> MOUNTING
+    MOUNTING --CLIENT_AHEAD--> CLIENT_AHEAD   (an error: see ClientAheadError)
+    MOUNTING/MOUNT_RETRY/MOUNTED --(stream lost, or the partition moved)--> WAITING_FOR_SERVER
+    any --close--> CLOSED
+
+Appends are sent only in MOUNTED; otherwise executions wait (seed 004's reconnect
+procedure: block appends, reconnect, remount, detect failures in the feed, fail
+everything still pending when the mount response arrives, unblock). At most
+``client.maxConcurrentTransactions`` appends are outstanding; further executions
+wait in order (back pressure).
+
+The feed is applied strictly in commit order, one transaction at a time: the
+mount response is queued behind the feed data that preceded it, so the monitor
+sees every success the server streamed before it declares the rest failed.
+"""
+
+import enum
+import itertools
+from collections import deque
+
+import attr
+from twisted.internet import defer
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from waltz.client.api import Transaction, TransactionBuilder
+from waltz.client.config import MAX_APPLY_RETRY_INTERVAL
+from waltz.client.errors import (
+    ClientAheadError, ClientClosedError, DataChecksumError, PartitionInactiveError, TransactionDataError)
+from waltz.client.monitor import HighWaterMarkGates, TransactionMonitor
+from waltz.client.network import DataChecksumMismatch
+from waltz.protocols import client_messages as m
+from waltz.protocols.values import ReqId
+
+log = Logger()
+
+
+class PartitionState(enum.Enum):
+    INACTIVE = "inactive"
+    ACTIVATING = "activating"
+    WAITING_FOR_SERVER = "waiting for server"
+    MOUNTING = "mounting"
+    MOUNT_RETRY = "mount retry"
+    MOUNTED = "mounted"
+    CLIENT_AHEAD = "client ahead"
+    CLOSED = "closed"
+
+
+#: States in which the partition has sent (or is about to resend) a mount on its stream connection.
+_ON_SERVER = (PartitionState.MOUNTING, PartitionState.MOUNT_RETRY, PartitionState.MOUNTED)
+
+
+@attr.s(slots=True)
+class _FeedItem:
+    """A committed transaction received and waiting to be applied."""
+
+    req_id = attr.ib()
+    transaction_id = attr.ib()
+    header = attr.ib()
+    #: Fires once applied (the stream protocol's back pressure waits on it); never fails.
+    done = attr.ib(factory=defer.Deferred)
+    detected = attr.ib(default=False)
+    submission = attr.ib(default=None)
+
+
+@attr.s(slots=True, frozen=True)
+class _MountCompleted:
+    """The mount response READY, queued behind the feed data that preceded it."""
+
+    req_id = attr.ib()
+
+
+@attr.s(slots=True)
+class _DataFetch:
+    """Callers waiting for one transaction's data, and how many bad checksums it has had."""
+
+    waiters = attr.ib(factory=list)
+    bad_checksums = attr.ib(default=0)
+
+
+class ClientPartition:
+    """The client's side of one partition (see the module docstring)."""
+
+    def __init__(self, partition_id, client_id, callbacks, settings, clock):
+        self.partition_id = partition_id
+        self.client_id = client_id
+        self._callbacks = callbacks
+        self._settings = settings
+        self._clock = clock
+        self.state = PartitionState.INACTIVE
+        #: False once ``set_partitions`` dropped the partition: it drains its appends, then unmounts.
+        self.wanted = False
+        self.generation = -1
+        self.location = None
+        self.stream = None
+        self.rpc = None
+        self._seq_nums = itertools.count(1)
+        #: The last transaction the application applied (the client high-water mark).
+        self.applied_hwm = -1
+        #: The last transaction received from the feed (applied or waiting to be).
+        self.received_hwm = -1
+        self.monitor = TransactionMonitor(settings.max_concurrent_transactions, clock)
+        self._gates = HighWaterMarkGates()
+        self._apply_waiters = []
+        self._waiting = deque()
+        self._retrying = deque()
+        self._pumping = False
+        self._feed = deque()
+        self._applying = False
+        self._draining = False
+        self._building = set()
+        self._apply_failures = 0
+        self._mount_req_id = None
+        self._timers = {}
+        self._fetches = {}
+        self._hwm_waiters = []
+
+    def __repr__(self):
+        return "<partition %d %s gen %d hwm %d>" % (
+            self.partition_id, self.state.value, self.generation, self.applied_hwm)
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def _set_state(self, state):
+        if state is not self.state:
+            log.debug("partition {pid}: {old} -> {new}", pid=self.partition_id,
+                      old=self.state.value, new=state.value)
+            self.state = state
+
+    def next_req_id(self) -> ReqId:
+        """A new ReqId (client id, current generation, partition, next sequence number)."""
+        return ReqId(self.client_id, self.generation, self.partition_id, next(self._seq_nums))
+
+    def _later(self, name, delay, function, *args):
+        """Schedule ``function`` as the single timer called ``name`` (replacing an earlier one)."""
+        self._cancel(name)
+        self._timers[name] = self._clock.callLater(delay, self._fire_timer, name, function, *args)
+
+    def _fire_timer(self, name, function, *args):
+        self._timers.pop(name, None)
+        function(*args)
+
+    def _cancel(self, name):
+        call = self._timers.pop(name, None)
+        if call is not None and call.active():
+            call.cancel()
+
+    # --- activation ------------------------------------------------------------------------------
+
+    def activate(self):
+        """Start working on the partition: read the application's high-water mark, then mount."""
+        if self.state is PartitionState.CLOSED:
+            return
+        self.wanted = True
+        if self.state not in (PartitionState.INACTIVE, PartitionState.CLIENT_AHEAD):
+            return
+        self._set_state(PartitionState.ACTIVATING)
+        d = defer.maybeDeferred(self._callbacks.get_client_high_water_mark, self.partition_id)
+        d.addCallbacks(self._activated, self._activation_failed)
+
+    def _activated(self, high_water_mark):
+        if self.state is not PartitionState.ACTIVATING:
+            return
+        if isinstance(high_water_mark, bool) or not isinstance(high_water_mark, int) or high_water_mark < -1:
+            self._activation_failed(Failure(ValueError(
+                "get_client_high_water_mark(%d) returned %r, not an int >= -1"
+                % (self.partition_id, high_water_mark))))
+            return
+        self.applied_hwm = self.received_hwm = high_water_mark
+        self._set_state(PartitionState.WAITING_FOR_SERVER)
+        self._try_mount()
+
+    def _activation_failed(self, failure):
+        if self.state is not PartitionState.ACTIVATING:
+            return
+        log.error("partition {pid}: cannot read the client high-water mark: {error!r}",
+                  pid=self.partition_id, error=failure.value)
+        self._report(-1, failure.value)
+        self._set_state(PartitionState.INACTIVE)
+        self._later("activate", self._settings.mount_retry_interval, self._reactivate)
+
+    def _reactivate(self):
+        if self.wanted:
+            self.activate()
+
+    def deactivate(self):
+        """Stop working on the partition: queued executions fail with PartitionInactiveError;
+        appends already sent are settled (flushing them), then the partition unmounts."""
+        if not self.wanted:
+            return
+        self.wanted = False
+        self._fail_queued(PartitionInactiveError(self.partition_id))
+        self._send_flush()
+        self._finish_deactivation()
+
+    def _finish_deactivation(self):
+        settled = not (len(self.monitor) or self._building)
+        if self.wanted or not settled or self.state in (PartitionState.INACTIVE, PartitionState.CLOSED):
+            return
+        self._cancel("mount")
+        self._cancel("activate")
+        self._set_state(PartitionState.INACTIVE)
+        self._drop_feed()
+        self._gates.clear()
+
+    # --- where the partition lives ---------------------------------------------------------------
+
+    def relocate(self, location, connections):
+        """The partition is now at ``location`` (None: no live server holds it), reached through
+        ``connections`` (:class:`~waltz.client.network.ServerConnections` or None)."""
+        if location is not None and location.generation > self.generation:
+            self.generation = location.generation
+        stream = connections.stream if connections is not None else None
+        rpc = connections.rpc if connections is not None else None
+        if location == self.location and stream is self.stream and rpc is self.rpc:
+            return
+        log.info("partition {pid}: now at {location}", pid=self.partition_id, location=location)
+        self.location, self.stream, self.rpc = location, stream, rpc
+        if self.state in _ON_SERVER:
+            self._unmounted()
+        if self.state is PartitionState.CLIENT_AHEAD:
+            self.activate()
+        self._try_mount()
+        self._resend_rpc()
+
+    def _unmounted(self):
+        self._cancel("mount")
+        self._mount_req_id = None
+        self._set_state(PartitionState.WAITING_FOR_SERVER)
+
+    def _try_mount(self):
+        if self.state not in (PartitionState.WAITING_FOR_SERVER, PartitionState.MOUNT_RETRY):
+            return
+        if self.stream is None or not self.stream.ready:
+            self._set_state(PartitionState.WAITING_FOR_SERVER)
+            return
+        self._mount_req_id = req_id = self.next_req_id()
+        self._set_state(PartitionState.MOUNTING)
+        log.info("partition {pid}: mounting at {endpoint} with client high-water mark {hwm}",
+                 pid=self.partition_id, endpoint=self.stream.endpoint, hwm=self.received_hwm)
+        self.stream.send(m.MountRequest(req_id, self.received_hwm, self.stream.seq_num))
+
+    # --- stream connection events ----------------------------------------------------------------
+
+    def stream_ready(self, conn):
+        if conn is not self.stream:
+            return
+        if self.state is PartitionState.CLIENT_AHEAD:
+            self.activate()
+        self._try_mount()
+
+    def stream_lost(self, conn):
+        if conn is self.stream and self.state in _ON_SERVER:
+            self._unmounted()
+
+    def stream_message(self, conn, message):
+        """A message for this partition on a stream connection; may return a Deferred (back pressure)."""
+        if conn is not self.stream or self.state not in _ON_SERVER:
+            return None
+        handler = self._STREAM_HANDLERS.get(type(message))
+        if handler is None:
+            log.warn("partition {pid}: unexpected {message!r} on the stream connection",
+                     pid=self.partition_id, message=message)
+            return None
+        return handler(self, message)
+
+    def _on_mount_response(self, message):
+        if message.req_id != self._mount_req_id or self.state is not PartitionState.MOUNTING:
+            return
+        if message.state is m.MountState.READY:
+            self.stream.send(m.FeedRequest(message.req_id, self.received_hwm))
+            self._feed.append(_MountCompleted(message.req_id))
+            self._drain()
+        elif message.state is m.MountState.NOT_READY:
+            log.info("partition {pid}: not ready at {endpoint}; mounting again in {delay} s",
+                     pid=self.partition_id, endpoint=self.stream.endpoint,
+                     delay=self._settings.mount_retry_interval)
+            self._set_state(PartitionState.MOUNT_RETRY)
+            self._later("mount", self._settings.mount_retry_interval, self._try_mount)
+        else:
+            self._client_ahead()
+
+    def _client_ahead(self):
+        error = ClientAheadError(self.partition_id, self.received_hwm)
+        log.error("{error}", error=str(error))
+        self._set_state(PartitionState.CLIENT_AHEAD)
+        self._mount_req_id = None
+        self._fail_queued(error)
+        for submission in self.monitor.fail_all():
+            submission.failed(error)
+        self._report(self.received_hwm, error)
+
+    def _on_feed_data(self, message):
+        txn = message.transaction_id
+        if txn != self.received_hwm + 1:
+            if txn > self.received_hwm:
+                log.warn("partition {pid}: feed skipped from {hwm} to {txn}; ignored",
+                         pid=self.partition_id, hwm=self.received_hwm, txn=txn)
+            return None
+        self.received_hwm = txn
+        item = _FeedItem(message.req_id, txn, message.header)
+        self._feed.append(item)
+        self._drain()
+        return None if item.done.called else item.done
+
+    def _on_feed_suspended(self, message):
+        self.stream.send(m.FeedRequest(message.req_id, self.received_hwm))
+
+    def _on_flush_response(self, message):
+        self._flush_completed(message.req_id, message.high_water_mark)
+
+    def _flush_completed(self, req_id, high_water_mark):
+        if self.applied_hwm < high_water_mark:
+            self._gates.wait(high_water_mark, lambda: self._flush_completed(req_id, high_water_mark))
+            return
+        for submission in self.monitor.flush(req_id):
+            self._attempt_failed(submission)
+        self._after_settlement()
+
+    def _on_lock_failure(self, message):
+        submission = self.monitor.abort(message.req_id)
+        if submission is None:
+            return
+        log.debug("partition {pid}: lock failure of {req_id}; retry once the high-water mark reaches {txn}",
+                  pid=self.partition_id, req_id=message.req_id, txn=message.transaction_id)
+        submission.lock_failed()
+        submission.retry_after = message.transaction_id
+        self._attempt_failed(submission)
+        self._after_settlement()
+
+    _STREAM_HANDLERS = {
+        m.MountResponse: _on_mount_response,
+        m.FeedData: _on_feed_data,
+        m.FeedSuspended: _on_feed_suspended,
+        m.FlushResponse: _on_flush_response,
+        m.LockFailure: _on_lock_failure,
+    }
+
+    # --- applying the feed ---------------------------------------------------------------------
+
+    def _drain(self):
+        """Apply queued feed items in order, one at a time; handle queued mount completions."""
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            while self._feed and not self._applying and self.state is not PartitionState.CLOSED:
+                event = self._feed[0]
+                if isinstance(event, _MountCompleted):
+                    self._feed.popleft()
+                    self._mount_completed(event.req_id)
+                else:
+                    self._applying = True
+                    self._apply(event)
+        finally:
+            self._draining = False
+        self._pump()
+
+    def _apply(self, item):
+        if not item.detected:
+            item.detected = True
+            item.submission, failed = self.monitor.committed(item.req_id)
+            for submission in failed:
+                self._attempt_failed(submission)
+            if item.submission is not None:
+                item.submission.committed(item.transaction_id)
+        transaction = Transaction(self.partition_id, item.transaction_id, item.header, item.req_id, self)
+        d = defer.maybeDeferred(self._callbacks.apply_transaction, transaction)
+        d.addCallbacks(self._applied, self._apply_failed, callbackArgs=(item,), errbackArgs=(item,))
+
+    def _applied(self, _, item):
+        if self.state is PartitionState.CLOSED or not self._feed or self._feed[0] is not item:
+            return
+        self._feed.popleft()
+        self._applying = False
+        self._apply_failures = 0
+        self.applied_hwm = item.transaction_id
+        if item.submission is not None:
+            item.submission.applied()
+        item.done.callback(None)
+        self._gates.release(self.applied_hwm)
+        self._release_apply_waiters()
+        self._after_settlement()
+        self._drain()
+
+    def _apply_failed(self, failure, item):
+        if self.state is PartitionState.CLOSED or not self._feed or self._feed[0] is not item:
+            return
+        self._apply_failures += 1
+        delay = min(MAX_APPLY_RETRY_INTERVAL,
+                    self._settings.apply_retry_interval * 2 ** (self._apply_failures - 1))
+        log.failure("partition {pid}: apply_transaction failed for transaction {txn}; retrying in {delay} s",
+                    failure, pid=self.partition_id, txn=item.transaction_id, delay=delay)
+        self._report(item.transaction_id, failure.value)
+        self._later("apply", delay, self._retry_apply)
+
+    def _retry_apply(self):
+        self._applying = False
+        self._drain()
+
+    def _mount_completed(self, req_id):
+        if req_id != self._mount_req_id or self.state is not PartitionState.MOUNTING:
+            return
+        log.info("partition {pid}: mounted at {endpoint} (high-water mark {hwm})",
+                 pid=self.partition_id, endpoint=self.stream.endpoint, hwm=self.applied_hwm)
+        for submission in self.monitor.fail_all():
+            self._attempt_failed(submission)
+        self._set_state(PartitionState.MOUNTED)
+        self._after_settlement()
+
+    def _drop_feed(self):
+        """Forget feed items not applied yet (the partition stops being applied)."""
+        for event in self._feed:
+            if isinstance(event, _FeedItem) and not event.done.called:
+                event.done.callback(None)
+        self._feed.clear()
+        self._applying = False
+        self._cancel("apply")
+        self.received_hwm = self.applied_hwm
+
+    def _report(self, transaction_id, exception):
+        try:
+            self._callbacks.uncaught_exception(self.partition_id, transaction_id, exception)
+        except Exception:
+            log.failure("uncaught_exception callback failed")
+
+    # --- executing contexts --------------------------------------------------------------------
+
+    def submit(self, submission):
+        """Queue an execution; it is attempted as soon as the partition is mounted and has room."""
+        error = self._refusal()
+        if error is not None:
+            submission.failed(error)
+            return
+        self._queue(self._waiting, submission)
+        self._pump()
+
+    def _refusal(self):
+        if self.state is PartitionState.CLOSED:
+            return ClientClosedError("the Waltz client is closed")
+        if not self.wanted:
+            return PartitionInactiveError(self.partition_id)
+        if self.state is PartitionState.CLIENT_AHEAD:
+            return ClientAheadError(self.partition_id, self.received_hwm)
+        return None
+
+    def _queue(self, queue, submission):
+        queue.append(submission)
+        self._arm_expiry(submission)
+
+    def _arm_expiry(self, submission):
+        """Expire ``submission`` at its context's expiration time unless an attempt starts first."""
+        expiration = self._settings.transaction_expiration
+        submission.cancel_expiry()
+        if expiration is not None and submission.context.creation_time is not None:
+            remaining = submission.context.creation_time + expiration - self._clock.seconds()
+            submission.expiry_call = self._clock.callLater(max(0.0, remaining), self._expire_queued, submission)
+
+    def _expire_queued(self, submission):
+        submission.expiry_call = None
+        for queue in (self._waiting, self._retrying):
+            if submission in queue:
+                queue.remove(submission)
+        if not submission.done:
+            submission.expired()
+
+    def _attempt_failed(self, submission):
+        """An attempt failed: retry (after the lock failure's transaction when there was one)."""
+        error = self._refusal()
+        if error is not None:
+            submission.failed(error)
+        elif submission.retry_after is not None and self.applied_hwm < submission.retry_after:
+            self._gates.wait(submission.retry_after, lambda: self._retry(submission))
+            self._arm_expiry(submission)
+        else:
+            self._retry(submission)
+
+    def _retry(self, submission):
+        if submission.done:
+            return
+        error = self._refusal()
+        if error is not None:
+            submission.failed(error)
+            return
+        self._queue(self._retrying, submission)
+
+    def _pump(self):
+        """Start queued executions while mounted and below ``maxConcurrentTransactions`` (appends
+        outstanding plus contexts still building theirs)."""
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            while self._can_start():
+                queue = self._retrying or self._waiting
+                if not queue:
+                    break
+                self._attempt(queue.popleft())
+        finally:
+            self._pumping = False
+
+    def _can_start(self) -> bool:
+        return (self.state is PartitionState.MOUNTED and self.wanted
+                and len(self.monitor) + len(self._building) < self._settings.max_concurrent_transactions)
+
+    def _attempt(self, submission):
+        """Execute the context with a fresh builder; append what it built (now, or when the Deferred
+        it returned fires)."""
+        submission.cancel_expiry()
+        if submission.is_expired(self._clock.seconds(), self._settings.transaction_expiration):
+            submission.expired()
+            return
+        submission.attempts += 1
+        submission.retry_after = None
+        builder = TransactionBuilder(self.next_req_id(), self.applied_hwm)
+        try:
+            proceed = submission.context.execute(builder)
+        except Exception:
+            self._execute_failed(Failure(), submission)
+            return
+        if isinstance(proceed, defer.Deferred):
+            self._building.add(submission)
+            mount = self._mount_req_id
+            proceed.addCallbacks(self._built_later, self._build_failed_later,
+                                 callbackArgs=(submission, builder, mount), errbackArgs=(submission,))
+        else:
+            self._built(proceed, submission, builder)
+
+    def _built_later(self, proceed, submission, builder, mount):
+        self._building.discard(submission)
+        if submission.done:
+            return
+        if mount != self._mount_req_id or self.state is not PartitionState.MOUNTED or not self.wanted:
+            # remounted meanwhile (maybe with another generation): build it again once mounted
+            self._retry(submission)
+        else:
+            self._built(proceed, submission, builder)
+        self._after_settlement()
+
+    def _built(self, proceed, submission, builder):
+        try:
+            if not proceed:
+                submission.ignored()
+                return
+            request = builder.build_request()
+        except Exception:
+            self._execute_failed(Failure(), submission)
+            return
+        self.monitor.register(request.req_id, submission)
+        self.stream.send(request)
+
+    def _build_failed_later(self, failure, submission):
+        self._building.discard(submission)
+        self._execute_failed(failure, submission)
+        self._after_settlement()
+
+    def _execute_failed(self, failure, submission):
+        """``execute`` raised (or its Deferred failed): the context ends with ``on_exception``."""
+        if submission.done:
+            return
+        log.failure("partition {pid}: execute of {context!r} raised", failure, pid=self.partition_id,
+                    context=submission.context)
+        submission.failed(failure.value)
+
+    def _after_settlement(self):
+        self._pump()
+        self._finish_deactivation()
+
+    def _fail_queued(self, error):
+        """End every execution not sent yet (queued, or still building) with ``error``."""
+        for queue in (self._retrying, self._waiting):
+            while queue:
+                queue.popleft().failed(error)
+        building, self._building = self._building, set()
+        for submission in building:
+            submission.failed(error)
+
+    def when_applied(self, transaction_id):
+        """A Deferred firing once this client has applied ``transaction_id`` (at once if it has)."""
+        if self.state is PartitionState.CLOSED:
+            return defer.fail(ClientClosedError("the Waltz client is closed"))
+        d = defer.Deferred()
+        self._apply_waiters.append((transaction_id, d))
+        self._release_apply_waiters()
+        return d
+
+    def _release_apply_waiters(self):
+        ready = [d for txn, d in self._apply_waiters if txn <= self.applied_hwm]
+        if ready:
+            self._apply_waiters = [(txn, d) for txn, d in self._apply_waiters if txn > self.applied_hwm]
+            for d in ready:
+                d.callback(self.applied_hwm)
+
+    # --- flush -----------------------------------------------------------------------------------
+
+    def flush(self):
+        """A Deferred firing once every append pending now is settled (success or failure)."""
+        d = self.monitor.when_settled()
+        self._send_flush()
+        return d
+
+    def nudge(self, now):
+        """Send a FLUSH when pending appends made no progress within ``client.longWaitThreshold``."""
+        if len(self.monitor) and now - self.monitor.last_progress >= self._settings.long_wait_threshold:
+            log.debug("partition {pid}: no progress for {seconds} s; flushing", pid=self.partition_id,
+                      seconds=now - self.monitor.last_progress)
+            self._send_flush()
+
+    def _send_flush(self):
+        req_id = self.monitor.last_req_id
+        if req_id is not None and self.state is PartitionState.MOUNTED:
+            self.stream.send(m.FlushRequest(req_id))
+            self.monitor.touch()
+
+    # --- RPC: transaction data and high-water mark -------------------------------------------------
+
+    def fetch_data(self, transaction_id):
+        """A Deferred firing with the data of ``transaction_id`` (checksum verified; refetched up to
+        ``client.maxDataFetchRetries`` times when it does not match)."""
+        if self.state is PartitionState.CLOSED:
+            return defer.fail(ClientClosedError("the Waltz client is closed"))
+        d = defer.Deferred()
+        fetch = self._fetches.get(transaction_id)
+        if fetch is None:
+            fetch = self._fetches[transaction_id] = _DataFetch()
+            self._send_data_request(transaction_id)
+        fetch.waiters.append(d)
+        return d
+
+    def _send_data_request(self, transaction_id):
+        if self.rpc is not None and self.rpc.ready:
+            self.rpc.send(m.TransactionDataRequest(self.next_req_id(), transaction_id))
+
+    def high_water_mark(self):
+        """A Deferred firing with the partition's current high-water mark, asked over RPC."""
+        if self.state is PartitionState.CLOSED:
+            return defer.fail(ClientClosedError("the Waltz client is closed"))
+        d = defer.Deferred()
+        self._hwm_waiters.append(d)
+        if len(self._hwm_waiters) == 1:
+            self._send_hwm_request()
+        return d
+
+    def _send_hwm_request(self):
+        if self.rpc is not None and self.rpc.ready:
+            self.rpc.send(m.HighWaterMarkRequest(self.next_req_id()))
+
+    def rpc_ready(self, conn):
+        if conn is self.rpc:
+            self._resend_rpc()
+
+    def _resend_rpc(self):
+        """Send again every request still unanswered (the connection or the server changed)."""
+        for transaction_id in list(self._fetches):
+            self._send_data_request(transaction_id)
+        if self._hwm_waiters:
+            self._send_hwm_request()
+
+    def rpc_message(self, conn, message):
+        if conn is not self.rpc:
+            return
+        if isinstance(message, m.TransactionDataResponse):
+            self._data_received(message)
+        elif isinstance(message, DataChecksumMismatch):
+            self._data_corrupted(message)
+        elif isinstance(message, m.HighWaterMarkResponse):
+            waiters, self._hwm_waiters = self._hwm_waiters, []
+            for d in waiters:
+                d.callback(message.high_water_mark)
+        else:
+            log.warn("partition {pid}: unexpected {message!r} on the RPC connection",
+                     pid=self.partition_id, message=message)
+
+    def _data_received(self, message):
+        fetch = self._fetches.pop(message.transaction_id, None)
+        if fetch is None:
+            return
+        if message.ok:
+            for d in fetch.waiters:
+                d.callback(message.data)
+        else:
+            error = TransactionDataError("partition %d transaction %d: %s"
+                                         % (self.partition_id, message.transaction_id, message.error))
+            for d in fetch.waiters:
+                d.errback(error)
+
+    def _data_corrupted(self, message):
+        fetch = self._fetches.get(message.transaction_id)
+        if fetch is None:
+            return
+        fetch.bad_checksums += 1
+        if fetch.bad_checksums <= self._settings.max_data_fetch_retries:
+            log.warn("partition {pid}: transaction {txn} data failed its checksum; fetching again ({n})",
+                     pid=self.partition_id, txn=message.transaction_id, n=fetch.bad_checksums)
+            self._send_data_request(message.transaction_id)
+            return
+        del self._fetches[message.transaction_id]
+        error = DataChecksumError("partition %d transaction %d: data failed its checksum %d times"
+                                  % (self.partition_id, message.transaction_id, fetch.bad_checksums))
+        for d in fetch.waiters:
+            d.errback(error)
+
+    # --- closing -------------------------------------------------------------------------------
+
+    def close(self):
+        """Stop: every queued or pending execution and every outstanding request fails with
+        ClientClosedError (a pending append may still have been committed)."""
+        if self.state is PartitionState.CLOSED:
+            return
+        self._set_state(PartitionState.CLOSED)
+        for name in list(self._timers):
+            self._cancel(name)
+        error = ClientClosedError("the Waltz client is closed")
+        self._fail_queued(error)
+        for submission in self.monitor.fail_all():
+            submission.failed(error)
+        self._gates.clear()
+        self._drop_feed()
+        fetches, self._fetches = self._fetches, {}
+        for fetch in fetches.values():
+            for d in fetch.waiters:
+                d.errback(error)
+        waiters, self._hwm_waiters = self._hwm_waiters, []
+        waiters += [d for _, d in self._apply_waiters]
+        self._apply_waiters = []
+        for d in waiters:
+            d.errback(error)
+
