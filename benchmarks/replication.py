@@ -115,12 +115,16 @@ def measure_replication(reactor, args, run_dir):
         yield cluster.stop()
 
 
-def main(argv=None):
+def argument_parser():
     p = parser(__doc__.splitlines()[1])
     p.add_argument("--record-size", type=int, default=100)
     p.add_argument("--inflight", type=int, default=400, help="outstanding appends")
     p.add_argument("--max-batch", type=int, default=100, help="storage.maxBatchSize")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = argument_parser().parse_args(argv)
 
     @defer.inlineCallbacks
     def run(reactor):

@@ -17,14 +17,17 @@ high-water mark when the append task starts.
   transaction id; read locks are never updated; append locks are never
   checked (reference PR #77).
 
-Requests whose checked locks share a slot with a request that is on its way
-to the store (*in flight*: sent, not yet committed or failed) cannot be
-decided yet: :meth:`LockTable.check` answers :attr:`LockOutcome.IN_FLIGHT`
-and the append task re-checks once in-flight requests settle. Together these
+Requests whose checked locks are write or append locks of a request that is
+on its way to the store (*in flight*: sent, not yet committed or failed) cannot
+be decided yet: :meth:`LockTable.check` answers :attr:`LockOutcome.IN_FLIGHT`
+and the append task re-checks once in-flight requests settle. Only the same
+lock hash counts: locks that merely share slots do not conflict, and waiting on
+them would stall the append queue for nothing. Together these
 rules never let a conflicting transaction through (no false negatives); hash
 collisions only cause spurious failures (false positives).
 """
 
+import collections
 import enum
 
 import attr
@@ -88,7 +91,7 @@ class LockOutcome(enum.Enum):
 
     GRANTED = "granted"      #: the client saw every transaction that touched its checked locks
     FAILED = "failed"        #: the estimate is above the client's high-water mark: LOCK_FAILURE
-    IN_FLIGHT = "in-flight"  #: a checked slot is being updated by an in-flight request: wait, then re-check
+    IN_FLIGHT = "in-flight"  #: a checked lock is being updated by an in-flight request: wait, then re-check
 
 
 @attr.s(frozen=True, slots=True)
@@ -101,8 +104,9 @@ class LockCheck:
 
 @attr.s(frozen=True, slots=True)
 class HeldLocks:
-    """The slots an in-flight request will raise on commit (returned by :meth:`LockTable.begin`)."""
+    """The locks an in-flight request will raise on commit, and their slots (from :meth:`LockTable.begin`)."""
 
+    hashes = attr.ib(converter=tuple)
     slots = attr.ib(converter=tuple)
 
 
@@ -114,7 +118,9 @@ class LockTable:
             raise ValueError("the lock table size must be positive, not %d" % size)
         self.size = size
         self._marks = [high_water_mark] * size
-        self._in_flight = [0] * size
+        # Lock hashes that in-flight requests will raise on commit. Only the same lock can conflict: two locks
+        # that merely share slots do not, so tracking hashes (not slots) avoids false waits.
+        self._in_flight = collections.Counter()
         self.held = 0
 
     def slots(self, lock_hash: int) -> tuple:
@@ -130,14 +136,14 @@ class LockTable:
         return self._estimate_of([self.slots(h) for h in request.checked])
 
     def in_flight_conflict(self, request: LockRequest) -> bool:
-        """True when a checked lock shares a slot with a lock an in-flight request will update."""
-        return self._in_flight_among([self.slots(h) for h in request.checked])
+        """True when a checked lock is one an in-flight request will update."""
+        in_flight = self._in_flight
+        return any(h in in_flight for h in request.checked)
 
     def check(self, request: LockRequest, client_high_water_mark: int) -> LockCheck:
         """Decide ``request`` for a client that has seen transactions up to ``client_high_water_mark``."""
-        checked = [self.slots(h) for h in request.checked]
-        estimate = self._estimate_of(checked)
-        if self._in_flight_among(checked):
+        estimate = self._estimate_of([self.slots(h) for h in request.checked])
+        if self.in_flight_conflict(request):
             return LockCheck(LockOutcome.IN_FLIGHT, estimate)
         outcome = LockOutcome.FAILED if estimate > client_high_water_mark else LockOutcome.GRANTED
         return LockCheck(outcome, estimate)
@@ -146,17 +152,12 @@ class LockTable:
         marks = self._marks
         return max((min(marks[slot] for slot in slots) for slots in slots_per_lock), default=-1)
 
-    def _in_flight_among(self, slots_per_lock) -> bool:
-        in_flight = self._in_flight
-        return any(in_flight[slot] for slots in slots_per_lock for slot in slots)
-
     def begin(self, request: LockRequest) -> HeldLocks:
-        """Mark the slots ``request`` will update as in flight; settle with :meth:`commit` or :meth:`release`."""
-        slots = tuple(slot for h in request.updated for slot in self.slots(h))
-        for slot in slots:
-            self._in_flight[slot] += 1
+        """Mark the locks ``request`` will update as in flight; settle with :meth:`commit` or :meth:`release`."""
+        hashes = request.updated
+        self._in_flight.update(hashes)
         self.held += 1
-        return HeldLocks(slots)
+        return HeldLocks(hashes, tuple(slot for h in hashes for slot in self.slots(h)))
 
     def commit(self, held: HeldLocks, transaction_id: int):
         """The request committed as ``transaction_id``: raise its slots, then release them."""
@@ -168,8 +169,11 @@ class LockTable:
 
     def release(self, held: HeldLocks):
         """The request settled without committing (or after :meth:`commit`): no longer in flight."""
-        for slot in held.slots:
-            self._in_flight[slot] -= 1
+        in_flight = self._in_flight
+        for h in held.hashes:
+            in_flight[h] -= 1
+            if not in_flight[h]:
+                del in_flight[h]
         self.held -= 1
 
     def reset(self, high_water_mark: int):

@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""End-to-end throughput: WaltzClient producers and a consumer against a real cluster.
+
+A self-contained cluster on 127.0.0.1: ZooKeeper, 3 storage daemons (quorum 2),
+1 ``twistd waltz-server``, one partition. ``--producers`` WaltzClients (in this
+process) execute transactions of ``--record-size`` bytes, each with one write
+lock on ("bench", random id), keeping ``--inflight`` contexts outstanding per
+producer; one more WaltzClient consumes the feed. Prints committed
+transactions/s, append latency p50/p99 (execute → committed) and the feed rate;
+in the same run, the limit: ``benchmarks/replication.py`` (the store layer
+alone, same storages setup).
+
+Targets (issue 5): >= 5,000 committed transactions/s, p99 < 50 ms, ratio >= 0.4.
+"""
+
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from twisted.internet import defer, task, threads  # noqa: E402
+
+import replication  # noqa: E402
+from common import now, parser, percentile, report, work_dir  # noqa: E402
+from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks  # noqa: E402
+from waltz.local.cluster import LocalCluster  # noqa: E402
+from waltz.local.daemons import local_server  # noqa: E402
+
+TARGET_OPS = 5000
+TARGET_P99_MS = 50.0
+TARGET_RATIO = 0.4
+
+
+class Follower(WaltzClientCallbacks):
+    """Applies nothing but the high-water mark, and counts what the feed delivered."""
+
+    def __init__(self):
+        self.high_water_mark = -1
+        self.applied = 0
+
+    def get_client_high_water_mark(self, partition_id):
+        return self.high_water_mark
+
+    def apply_transaction(self, transaction):
+        self.high_water_mark = transaction.transaction_id
+        self.applied += 1
+
+    def uncaught_exception(self, partition_id, transaction_id, exception):
+        print("uncaught exception on %d/%d: %s" % (partition_id, transaction_id, exception), file=sys.stderr)
+
+
+class Transfer(TransactionContext):
+    """One transaction with a write lock on a random id; re-executed as the client decides."""
+
+    def __init__(self, payload, lock_id):
+        super().__init__()
+        self.payload = payload
+        self.lock_id = lock_id
+
+    def partition_id(self, num_partitions):
+        return 0
+
+    def execute(self, builder):
+        builder.set_transaction_data(self.payload)
+        builder.set_write_locks([("bench", self.lock_id)])
+        return True
+
+
+class Producer:
+    """Keeps ``inflight`` contexts executing on one client until stopped; records latencies."""
+
+    def __init__(self, reactor, client, payload, inflight, rng):
+        self.reactor = reactor
+        self.client = client
+        self.payload = payload
+        self.inflight = inflight
+        self.rng = rng
+        self.running = False
+        self.committed = 0
+        self.latencies = []
+        self.measuring = False
+
+    def start(self):
+        self.running = True
+        for _ in range(self.inflight):
+            self._next()
+
+    def _next(self):
+        if not self.running:
+            return
+        started = now()
+        d = self.client.execute(Transfer(self.payload, self.rng.randrange(1_000_000)))
+        d.addCallback(self._done, started)
+
+    def _done(self, result, started):
+        if result.committed:
+            self.committed += 1
+            if self.measuring:
+                self.latencies.append(now() - started)
+        self.reactor.callLater(0, self._next)
+
+
+def client_config(cluster, inflight):
+    return {"zookeeper.connectString": cluster.connect_string, "cluster.root": cluster.root,
+            "client.maxConcurrentTransactions": inflight}
+
+
+@defer.inlineCallbacks
+def measure_e2e(reactor, args, run_dir):
+    cluster = LocalCluster(run_dir, num_partitions=1, num_storages=3, root="/waltz_bench_e2e")
+    server = None
+    clients = []
+    try:
+        yield cluster.start(reactor)
+        server = local_server(os.path.join(run_dir, "server"), cluster.connect_string, cluster.root)
+        yield threads.deferToThread(server.start)
+        consumer_state = Follower()
+        consumer = WaltzClient(consumer_state, client_config(cluster, 5), reactor)
+        clients.append(consumer)
+        producers = []
+        rng = random.Random(7)
+        for _ in range(args.producers):
+            client = WaltzClient(Follower(), client_config(cluster, args.inflight), reactor)
+            clients.append(client)
+            producers.append(Producer(reactor, client, b"p" * args.record_size, args.inflight, rng))
+        yield defer.gatherResults([c.when_started() for c in clients])
+        for producer in producers:
+            producer.start()
+        yield task.deferLater(reactor, 2.0, lambda: None)  # warm up
+        for producer in producers:
+            producer.measuring = True
+        first_committed = sum(p.committed for p in producers)
+        first_fed = consumer_state.applied
+        started = now()
+        yield task.deferLater(reactor, args.seconds, lambda: None)
+        elapsed = now() - started
+        committed = sum(p.committed for p in producers) - first_committed
+        fed = consumer_state.applied - first_fed
+        for producer in producers:
+            producer.running = False
+            producer.measuring = False
+        latencies = [x for p in producers for x in p.latencies]
+        if args.server_metrics:
+            status, text = yield threads.deferToThread(server.http_get, "/metrics")
+            print("\n".join(line for line in text.splitlines()
+                            if not line.startswith("#") and "_bucket" not in line))
+        return committed / elapsed, latencies, fed / elapsed
+    finally:
+        for client in clients:
+            yield client.close()
+        if server is not None:
+            server.stop()
+        yield cluster.stop()
+
+
+def main(argv=None):
+    p = parser(__doc__.splitlines()[1])
+    p.add_argument("--record-size", type=int, default=100)
+    p.add_argument("--producers", type=int, default=4)
+    p.add_argument("--inflight", type=int, default=100, help="outstanding transactions per producer")
+    p.add_argument("--no-limit", action="store_true", help="skip the limit run (for profiling)")
+    p.add_argument("--server-metrics", action="store_true", help="print the server's metrics after the run")
+    args = p.parse_args(argv)
+
+    @defer.inlineCallbacks
+    def run(reactor):
+        with work_dir("waltz-bench-e2e-") as run_dir:
+            rate, latencies, feed_rate = yield measure_e2e(reactor, args, os.path.join(run_dir, "e2e"))
+            limit_args = replication.argument_parser().parse_args(
+                ["--seconds", str(args.seconds), "--record-size", str(args.record_size)])
+            limit, _, _, _ = (yield replication.measure_replication(reactor, limit_args, os.path.join(run_dir, "r"))) \
+                if not args.no_limit else (0.0, None, None, None)
+        p50, p99 = percentile(latencies, 0.5) * 1000, percentile(latencies, 0.99) * 1000
+        ratio = rate / limit if limit else 0.0
+        ok = rate >= TARGET_OPS and p99 < TARGET_P99_MS and ratio >= TARGET_RATIO
+        figures = {
+            "ops_per_s": round(rate), "p50_ms": round(p50, 3), "p99_ms": round(p99, 3),
+            "feed_per_s": round(feed_rate), "limit_ops_per_s": round(limit), "ratio": round(ratio, 3),
+            "target_ops_per_s": TARGET_OPS, "target_p99_ms": TARGET_P99_MS, "target_ratio": TARGET_RATIO,
+            "producers": args.producers, "inflight": args.inflight,
+        }
+        lines = [
+            "end to end: 3 storages (quorum 2), 1 server, 1 partition, %d producers x %d in flight, %d-byte "
+            "transactions with one write lock, %.0f s" % (args.producers, args.inflight, args.record_size,
+                                                          args.seconds),
+            "  committed: %10.0f transactions/s, append latency p50 %.2f ms p99 %.2f ms (target >= %d/s, p99 < %.0f ms)"
+            % (rate, p50, p99, TARGET_OPS, TARGET_P99_MS),
+            "  consumer feed: %10.0f transactions/s" % feed_rate,
+            "  limit (replication.py, store layer alone): %10.0f transactions/s" % limit,
+            "  ratio to limit: %.2f (target >= %.1f): %s" % (ratio, TARGET_RATIO, "met" if ok else "NOT met"),
+        ]
+        report(figures, args.json, lines)
+
+    task.react(run)
+
+
+if __name__ == "__main__":
+    main()
