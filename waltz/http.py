@@ -11,6 +11,13 @@ from twisted.web.server import Site
 PROMETHEUS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
+class _QuietSite(Site):
+    """A Site that does not log every request (health checks would flood the daemon's log)."""
+
+    def log(self, request):
+        pass
+
+
 class _Leaf(Resource):
     isLeaf = True
 
@@ -44,7 +51,7 @@ def health_site(registry, problems, name="waltz"):
     root.putChild(b"ping", _Leaf(ping))
     root.putChild(b"health", _Leaf(health))
     root.putChild(b"metrics", _Leaf(metrics))
-    site = Site(root)
+    site = _QuietSite(root)
     site.displayTracebacks = False
     site.noisy = False
     return site
