@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "waltz.cli.zookeeper",
     "waltz.cli.disk",
     "waltz.cli.storage",
+    "waltz.cli.dev",
 )
 
 

@@ -1,0 +1,142 @@
+"""``waltz dev``: a local cluster for development and the demo.
+
+``up`` starts (idempotently) a ZooKeeper, creates the cluster, and starts three storage daemons (each in its own
+group, holding every partition) and two servers, each with its own config, log and data under the run directory
+(default ``./.waltz-dev``). ``down`` stops only the processes recorded there, by pid. ``status`` shows every process
+with its pid and health, every partition with its server, generation and high-water mark, and every replica's max
+transaction id.
+"""
+
+import re
+
+from twisted.internet import defer, threads
+
+from waltz.cli.common import CliError
+from waltz.cli.cluster import run_reactor
+from waltz.cli.storage import StorageNodeClient
+from waltz.local.daemons import DaemonError
+from waltz.local.devcluster import DEFAULT_ROOT, DEFAULT_RUN_DIR, DEFAULT_ZOOKEEPER_PORT, DevCluster
+from waltz.local.zookeeper import ZooKeeperLaunchError
+from waltz.zk.bridge import ZooKeeperClient
+from waltz.zk.metadata import ClusterMetadata
+
+_HWM_LINE = re.compile(r'^waltz_server_partition_high_water_mark\{partition="(\d+)"\} (-?\d+)', re.M)
+
+
+def _cluster(args):
+    return DevCluster(args.run_dir, args.zookeeper_port, args.root, num_partitions=args.partitions)
+
+
+def up(args):
+    cluster = _cluster(args)
+    try:
+        run_reactor(lambda reactor: cluster.up(reactor))
+    except (DaemonError, ZooKeeperLaunchError) as exc:
+        raise CliError("the local cluster did not start: %s (run 'waltz dev down --run-dir %s' to clean up)"
+                       % (str(exc).splitlines()[0], args.run_dir)) from None
+    print("cluster is up: ZooKeeper %s, root %s" % (cluster.connect_string, cluster.root))
+    return 0
+
+
+def down(args):
+    _cluster(args).down()
+    return 0
+
+
+def status(args):
+    cluster = _cluster(args)
+    print(format_processes(cluster))
+    if not cluster.zookeeper.is_running():
+        print("ZooKeeper is not running: no cluster to show")
+        return 3
+    print(run_reactor(lambda reactor: cluster_status(reactor, cluster)))
+    return 0
+
+
+def format_processes(cluster):
+    lines = ["processes (run dir %s):" % cluster.run_dir,
+             "  %-11s %-8s %s" % ("zookeeper", cluster.zookeeper.pid or "-",
+                                  "running on %s" % cluster.connect_string if cluster.zookeeper.is_running()
+                                  else "not running")]
+    for name, daemon in cluster.daemons():
+        lines.append("  %-11s %-8s %s" % (name, daemon.pid or "-", daemon_health(daemon)))
+    return "\n".join(lines)
+
+
+def daemon_health(daemon):
+    if not daemon.is_running():
+        return "not running"
+    try:
+        code, body = daemon.http_get("/health")
+    except OSError as exc:
+        return "running, /health unreachable (%s)" % exc
+    return "%s (http %d)" % (" ".join(body.split()), daemon.http_port) if code in (200, 503) else \
+        "running, /health answered %d" % code
+
+
+@defer.inlineCallbacks
+def cluster_status(reactor, cluster):
+    """Partitions (server, generation, high-water mark) and replicas (max transaction id), as text."""
+    zk = ZooKeeperClient(cluster.connect_string, reactor=reactor, connect_timeout_ms=5000)
+    yield zk.connect()
+    try:
+        metadata = ClusterMetadata(zk, cluster.root, reactor)
+        params = yield metadata.store_params()
+        assignment = (yield metadata.partition_assignment()).value
+        descriptors = dict((d.server_id, d) for _, d in (yield metadata.server_descriptors()))
+        topology = (yield metadata.topology()).value
+    finally:
+        yield zk.close()
+    high_water_marks = yield threads.deferToThread(_server_high_water_marks, cluster)
+    owners = {info.partition_id: (server_id, info.generation)
+              for server_id, infos in assignment.servers for info in infos}
+    lines = ["partitions:"]
+    for pid in range(params.num_partitions):
+        server_id, generation = owners.get(pid, (None, None))
+        where = descriptors[server_id].endpoint if server_id in descriptors else "unassigned"
+        lines.append("  %d: server %s (id %s), generation %s, high-water mark %s"
+                     % (pid, where, server_id if server_id is not None else "-",
+                        generation if generation is not None else "-", high_water_marks.get(pid, "?")))
+    lines.append("replicas (max transaction id):")
+    for storage, admin_port in sorted(topology.connections.entries):
+        client = StorageNodeClient(reactor, storage, admin_port, params, timeout=3)
+        ids = []
+        for pid in topology.assignments.get(storage, ()):
+            try:
+                ids.append("%d: %d" % (pid, (yield client.max_transaction_id(pid))))
+            except CliError as exc:
+                ids.append("%d: ? (%s)" % (pid, exc.problem if hasattr(exc, "problem") else exc))
+        client.close()
+        lines.append("  %s  %s" % (storage, ", ".join(ids) or "no partitions"))
+    return "\n".join(lines)
+
+
+def _server_high_water_marks(cluster):
+    """Partition -> high-water mark, as the running servers report in their metrics."""
+    found = {}
+    for name, daemon in cluster.daemons():
+        if daemon.kind == "server" and daemon.is_running():
+            try:
+                code, text = daemon.http_get("/metrics")
+            except OSError:
+                continue
+            found.update((int(p), int(h)) for p, h in _HWM_LINE.findall(text))
+    return found
+
+
+def register(subparsers):
+    """Add ``waltz dev`` and its subcommands."""
+    parser = subparsers.add_parser("dev", help="a local cluster for development and the demo",
+                                   description=__doc__.split("\n\n")[1])
+    commands = parser.add_subparsers(dest="dev_command", metavar="SUBCOMMAND")
+    commands.required = True
+    for func, name, text in ((up, "up", "start the local cluster (no-op for what runs)"),
+                             (down, "down", "stop the processes the run directory records, by pid"),
+                             (status, "status", "processes, partitions and replicas")):
+        sub = commands.add_parser(name, help=text, description=text)
+        sub.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="run directory (default %(default)s)")
+        sub.add_argument("--zookeeper-port", type=int, default=DEFAULT_ZOOKEEPER_PORT,
+                         help="ZooKeeper client port on 127.0.0.1 (default %(default)s)")
+        sub.add_argument("--root", default=DEFAULT_ROOT, help="cluster root znode (default %(default)s)")
+        sub.add_argument("--partitions", type=int, default=4, help="partitions of a new cluster (default 4)")
+        sub.set_defaults(func=func)

@@ -1,0 +1,139 @@
+"""The local development cluster: ZooKeeper, three storages and two servers under one run directory.
+
+Layout of the run directory (default ``./.waltz-dev``)::
+
+    zookeeper/            LocalZooKeeper (config, data, log, pid)
+    storage-0/ ...        one storage daemon each: storage.yaml, storage.log, storage.pid, data/
+    server-0/ ...         one server daemon each: server.yaml, server.log, server.pid
+
+:meth:`DevCluster.up` is idempotent: it starts whatever is not running,
+creates the cluster in ZooKeeper the first time, registers each new storage
+in its own group with every partition, and pushes that assignment to it.
+:meth:`DevCluster.down` stops only the processes recorded in the run
+directory, by pid. Ports are chosen once (free loopback ports) and kept in
+each daemon's config file, so a cluster comes back on the same ports.
+"""
+
+import os
+
+from twisted.internet import defer, threads
+
+from waltz.local.cluster import push_assignment
+from waltz.local.daemons import LocalDaemon, local_server, local_storage
+from waltz.local.zookeeper import LocalZooKeeper
+from waltz.zk.bridge import ZooKeeperClient
+from waltz.zk.errors import ClusterNotFoundError
+from waltz.zk.metadata import ClusterMetadata
+
+DEFAULT_RUN_DIR = ".waltz-dev"
+DEFAULT_ZOOKEEPER_PORT = 42181
+DEFAULT_ROOT = "/waltz_cluster"
+
+_HTTP_PORT_KEYS = {"storage": "storage.http.port", "server": "server.http.port"}
+
+
+class DevCluster:
+    """A local cluster whose processes outlive the command that started them."""
+
+    def __init__(self, run_dir=DEFAULT_RUN_DIR, zookeeper_port=DEFAULT_ZOOKEEPER_PORT, root=DEFAULT_ROOT,
+                 num_partitions=4, num_storages=3, num_servers=2, name="dev"):
+        self.run_dir = os.path.abspath(run_dir)
+        self.root = root
+        self.name = name
+        self.num_partitions = num_partitions
+        self.num_storages = num_storages
+        self.num_servers = num_servers
+        self.zookeeper = LocalZooKeeper(os.path.join(self.run_dir, "zookeeper"), port=zookeeper_port)
+
+    @property
+    def connect_string(self):
+        return self.zookeeper.connect_string
+
+    def daemon_dir(self, kind, index):
+        return os.path.join(self.run_dir, "%s-%d" % (kind, index))
+
+    def daemon(self, kind, index):
+        """The recorded daemon ``kind``-``index``, or ``None`` if it was never started."""
+        run_dir = self.daemon_dir(kind, index)
+        if not os.path.exists(os.path.join(run_dir, "%s.yaml" % kind)):
+            return None
+        return LocalDaemon.from_run_dir(kind, run_dir, _HTTP_PORT_KEYS[kind])
+
+    def daemons(self):
+        """Every recorded daemon as ``(name, LocalDaemon)``, storages first."""
+        found = []
+        for kind, count in (("storage", self.num_storages), ("server", self.num_servers)):
+            for index in range(count):
+                daemon = self.daemon(kind, index)
+                if daemon is not None:
+                    found.append(("%s-%d" % (kind, index), daemon))
+        return found
+
+    # -- up -----------------------------------------------------------------------------------------
+
+    @defer.inlineCallbacks
+    def up(self, reactor, report=print):
+        """Start everything that is not running; fires when every daemon answers ``/ping``."""
+        if not self.zookeeper.is_running():
+            yield threads.deferToThread(self.zookeeper.start)
+            report("zookeeper   started on %s (pid %s)" % (self.connect_string, self.zookeeper.pid))
+        else:
+            report("zookeeper   running on %s (pid %s)" % (self.connect_string, self.zookeeper.pid))
+        zk = ZooKeeperClient(self.connect_string, reactor=reactor)
+        yield zk.connect()
+        try:
+            metadata = ClusterMetadata(zk, self.root, reactor)
+            params = yield self._ensure_cluster(metadata, report)
+            for index in range(self.num_storages):
+                yield self._ensure_storage(reactor, metadata, params, index, report)
+        finally:
+            yield zk.close()
+        for index in range(self.num_servers):
+            yield self._ensure_daemon("server", index, lambda run_dir: local_server(
+                run_dir, self.connect_string, self.root), report)
+
+    @defer.inlineCallbacks
+    def _ensure_cluster(self, metadata, report):
+        try:
+            params = yield metadata.store_params()
+        except ClusterNotFoundError:
+            params = yield metadata.create_cluster(self.name, self.num_partitions)
+            report("cluster     created at %s with %d partitions" % (self.root, self.num_partitions))
+        return params
+
+    @defer.inlineCallbacks
+    def _ensure_storage(self, reactor, metadata, params, index, report):
+        fresh = self.daemon("storage", index) is None
+        daemon = yield self._ensure_daemon("storage", index, lambda run_dir: local_storage(
+            run_dir, self.connect_string, self.root), report)
+        if fresh:
+            name = "127.0.0.1:%d" % daemon.config["storage.port"]
+            admin_port = daemon.config["storage.admin.port"]
+            partitions = list(range(params.num_partitions))
+            yield metadata.edit_topology(
+                lambda t, p: t.add_storage(name, admin_port, index).assign(name, partitions, p.num_partitions))
+            yield push_assignment(reactor, name, admin_port, partitions, params)
+
+    @defer.inlineCallbacks
+    def _ensure_daemon(self, kind, index, make, report):
+        name = "%s-%d" % (kind, index)
+        daemon = self.daemon(kind, index) or make(self.daemon_dir(kind, index))
+        if daemon.is_running():
+            report("%-11s running (pid %s)" % (name, daemon.pid))
+        else:
+            yield threads.deferToThread(daemon.start)
+            report("%-11s started (pid %s, http port %d)" % (name, daemon.pid, daemon.http_port))
+        return daemon
+
+    # -- down ---------------------------------------------------------------------------------------
+
+    def down(self, report=print):
+        """Stop the servers, then the storages, then ZooKeeper: only processes recorded here, by pid."""
+        for name, daemon in reversed(self.daemons()):
+            if daemon.is_running():
+                daemon.stop()
+                report("%-11s stopped (pid %s)" % (name, daemon.pid))
+        if self.zookeeper.is_running():
+            pid = self.zookeeper.pid
+            self.zookeeper.stop()
+            report("zookeeper   stopped (pid %s)" % pid)
