@@ -81,7 +81,7 @@ def run_reactor(function, *args):
     return outcome[0]
 
 
-def _quiet_kazoo():
+def quiet_kazoo():
     # Kazoo logs every failed connection attempt through the logging module's last-resort
     # handler (stderr); the command reports failures itself, in one line.
     logger = logging.getLogger("kazoo")
@@ -94,7 +94,7 @@ def run_with_cluster(args, action):
     :class:`ClusterMetadata`, close, and return the action's result; ZooKeeper-layer and
     kazoo errors become :class:`CliError`."""
     config = connection_config(args)
-    _quiet_kazoo()
+    quiet_kazoo()
 
     @defer.inlineCallbacks
     def session(reactor):

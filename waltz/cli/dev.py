@@ -12,7 +12,7 @@ import re
 from twisted.internet import defer, threads
 
 from waltz.cli.common import CliError
-from waltz.cli.cluster import run_reactor
+from waltz.cli.cluster import quiet_kazoo, run_reactor
 from waltz.cli.storage import StorageNodeClient
 from waltz.local.daemons import DaemonError
 from waltz.local.devcluster import DEFAULT_ROOT, DEFAULT_RUN_DIR, DEFAULT_ZOOKEEPER_PORT, DevCluster
@@ -24,6 +24,7 @@ _HWM_LINE = re.compile(r'^waltz_server_partition_high_water_mark\{partition="(\d
 
 
 def _cluster(args):
+    quiet_kazoo()
     return DevCluster(args.run_dir, args.zookeeper_port, args.root, num_partitions=args.partitions)
 
 

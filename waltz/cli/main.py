@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "waltz.cli.disk",
     "waltz.cli.storage",
     "waltz.cli.dev",
+    "waltz.cli.smoke",
 )
 
 

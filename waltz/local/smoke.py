@@ -1,0 +1,348 @@
+"""The smoke test with faults: the original's SmokeTest, on local processes.
+
+A cluster of its own in a temporary directory (ZooKeeper, 3 storages in
+separate groups, 2 servers, 3 partitions) and 2 client applications that
+both produce and consume. Each transaction is a random UUID with a write lock
+on ("test", random of 1000). While they run, storages, servers and ZooKeeper
+are killed with SIGKILL and restarted on a fixed schedule. Checks:
+
+* every client applies consecutive transaction ids on every partition;
+* no UUID is applied twice;
+* the sum of the checksums of the UUIDs produced equals the sum consumed;
+* after a full restart of every process, a second pass from the start of the
+  log finds the same (consecutive ids, each UUID once, same checksum sum);
+* every storage holds identical record bytes for each partition.
+
+Every problem found is an *anomaly*; :func:`run_smoke` returns them with the
+throughput, the latencies and the faults injected.
+"""
+
+import glob
+import os
+import random
+import time
+import uuid
+
+import attr
+from twisted.internet import defer, task, threads
+from twisted.logger import Logger
+
+from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks
+from waltz.local.cluster import LocalCluster
+from waltz.local.daemons import local_server
+from waltz.protocols.values import checksum
+from waltz.storage.index import FILE_HEADER_SIZE
+
+log = Logger()
+
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class SmokeSettings:
+    transactions: int = 20_000
+    partitions: int = 3
+    storages: int = 3
+    servers: int = 2
+    clients: int = 2
+    lock_range: int = 1000
+    inflight: int = 20              #: outstanding transactions per client
+    fault_interval: float = 4.0     #: seconds between two faults
+    down_time: float = 1.5          #: seconds a killed process stays down
+    faults: bool = True
+    seed: int = 1
+    timeout: float = 600.0          #: the whole run, seconds
+
+
+@attr.s(slots=True)
+class SmokeReport:
+    committed: int = attr.ib(default=0)
+    seconds: float = attr.ib(default=0.0)
+    latencies: list = attr.ib(factory=list)
+    faults: list = attr.ib(factory=list)
+    anomalies: list = attr.ib(factory=list)
+    unfinished: int = attr.ib(default=0)    #: contexts that ended without committing (replaced)
+
+    @property
+    def throughput(self):
+        return self.committed / self.seconds if self.seconds else 0.0
+
+
+class SmokeApplication(WaltzClientCallbacks):
+    """A client application that checks everything it applies: ids consecutive, each UUID once."""
+
+    def __init__(self, name, partitions, anomalies):
+        self.name = name
+        self.high_water_marks = {p: -1 for p in range(partitions)}
+        self.seen = set()
+        self.checksum_sum = 0
+        self.anomalies = anomalies
+
+    def get_client_high_water_mark(self, partition_id):
+        return self.high_water_marks[partition_id]
+
+    def apply_transaction(self, transaction):
+        expected = self.high_water_marks[transaction.partition_id] + 1
+        if transaction.transaction_id != expected:
+            self.anomalies.append("%s: partition %d applied transaction %d, expected %d" % (
+                self.name, transaction.partition_id, transaction.transaction_id, expected))
+        d = transaction.get_data()
+        d.addCallback(self._applied, transaction)
+        return d
+
+    def _applied(self, data, transaction):
+        if data in self.seen:
+            self.anomalies.append("%s: UUID %s applied twice (partition %d, transaction %d)" % (
+                self.name, _uuid_text(data), transaction.partition_id, transaction.transaction_id))
+        self.seen.add(data)
+        self.checksum_sum += checksum(data)
+        self.high_water_marks[transaction.partition_id] = transaction.transaction_id
+
+    def uncaught_exception(self, partition_id, transaction_id, exception):
+        self.anomalies.append("%s: uncaught exception at %d/%d: %s" % (self.name, partition_id, transaction_id,
+                                                                      exception))
+
+
+def _uuid_text(data):
+    try:
+        return str(uuid.UUID(bytes=data))
+    except ValueError:
+        return repr(data)
+
+
+class SmokeTransaction(TransactionContext):
+    """One UUID, chosen once: re-executions after a failed attempt send the same UUID."""
+
+    def __init__(self, rng, partitions, lock_range):
+        super().__init__()
+        self.data = uuid.UUID(int=rng.getrandbits(128)).bytes
+        self.partition = rng.randrange(partitions)
+        self.lock = ("test", rng.randrange(lock_range))
+
+    def partition_id(self, num_partitions):
+        return self.partition
+
+    def execute(self, builder):
+        builder.set_transaction_data(self.data)
+        builder.set_write_locks([self.lock])
+        return True
+
+
+class Producer:
+    """Keeps ``inflight`` transactions executing on a client until ``quota`` committed."""
+
+    def __init__(self, reactor, client, settings, quota, rng, report, produced):
+        self.reactor = reactor
+        self.client = client
+        self.settings = settings
+        self.quota = quota
+        self.rng = rng
+        self.report = report
+        self.produced = produced      # list of committed UUIDs (shared)
+        self.started = 0
+        self.committed = 0
+        self.done = defer.Deferred()
+
+    def start(self):
+        for _ in range(min(self.settings.inflight, self.quota)):
+            self._next()
+
+    def _next(self):
+        if self.started >= self.quota:
+            return
+        self.started += 1
+        context = SmokeTransaction(self.rng, self.settings.partitions, self.settings.lock_range)
+        began = time.monotonic()
+        self.client.execute(context).addCallback(self._finished, context, began)
+
+    def _finished(self, result, context, began):
+        if result.committed:
+            self.committed += 1
+            self.report.latencies.append(time.monotonic() - began)
+            self.produced.append(context.data)
+        else:
+            # Not committed: produce another in its place. Had it reached the log after all, the
+            # checksum sums would show it.
+            self.report.unfinished += 1
+            self.started -= 1
+        if self.committed >= self.quota:
+            if not self.done.called:
+                self.done.callback(None)
+        else:
+            self.reactor.callLater(0, self._next)
+
+
+class FaultInjector:
+    """Kills (SIGKILL) and restarts storages, servers and ZooKeeper in a fixed cycle."""
+
+    def __init__(self, reactor, cluster, servers, settings, report):
+        self.reactor = reactor
+        storages = [("storage-%d" % i, d) for i, d in enumerate(cluster.storages)]
+        others = [("server-%d" % i, d) for i, d in enumerate(servers)] + [("zookeeper", cluster.zookeeper)]
+        # Alternate storages with servers and ZooKeeper: storage-0, server-0, storage-1, server-1, ...
+        self.cycle = [item for i in range(max(len(storages), len(others)))
+                      for item in (storages[i:i + 1] + others[i:i + 1])]
+        self.settings = settings
+        self.report = report
+        self.running = False
+        self._next = 0
+        self._done = None
+
+    def start(self):
+        self.running = True
+        self._done = self._loop()
+        return self._done
+
+    def stop(self):
+        self.running = False
+        return self._done
+
+    @defer.inlineCallbacks
+    def _loop(self):
+        while self.running:
+            yield task.deferLater(self.reactor, self.settings.fault_interval, lambda: None)
+            if not self.running:
+                break
+            name, process = self.cycle[self._next % len(self.cycle)]
+            self._next += 1
+            started = time.monotonic()
+            yield threads.deferToThread(process.kill)
+            yield task.deferLater(self.reactor, self.settings.down_time, lambda: None)
+            yield threads.deferToThread(_restart, process)
+            self.report.faults.append("%s killed and restarted (%.1f s)" % (name, time.monotonic() - started))
+            log.info("smoke: {fault}", fault=self.report.faults[-1])
+
+
+def _restart(process):
+    process.start()
+
+
+@defer.inlineCallbacks
+def run_smoke(reactor, run_dir, settings=SmokeSettings(), progress=None):
+    """Run the smoke test in ``run_dir``; fires with a :class:`SmokeReport`."""
+    report = SmokeReport()
+    cluster = LocalCluster(run_dir, num_partitions=settings.partitions, num_storages=settings.storages,
+                           root="/waltz_smoke")
+    servers, clients = [], []
+    try:
+        yield cluster.start(reactor)
+        for index in range(settings.servers):
+            server = local_server(os.path.join(run_dir, "server%d" % index), cluster.connect_string, cluster.root,
+                                  **{"zookeeper.sessionTimeout": 6000})
+            servers.append(server)
+            yield threads.deferToThread(server.start)
+        rng = random.Random(settings.seed)
+        produced, apps = [], []
+        producers = []
+        quota = settings.transactions // settings.clients
+        for index in range(settings.clients):
+            app = SmokeApplication("client-%d" % index, settings.partitions, report.anomalies)
+            client = WaltzClient(app, _client_config(cluster, settings), reactor)
+            apps.append(app)
+            clients.append(client)
+            producers.append(Producer(reactor, client, settings,
+                                      quota + (settings.transactions % settings.clients if index == 0 else 0),
+                                      rng, report, produced))
+        yield defer.gatherResults([c.when_started() for c in clients])
+        faults = FaultInjector(reactor, cluster, servers, settings, report)
+        began = time.monotonic()
+        for producer in producers:
+            producer.start()
+        if settings.faults:
+            faults.start()
+        ticker = task.LoopingCall(_progress, progress, producers, settings, began) if progress else None
+        if ticker is not None:
+            ticker.clock = reactor
+            ticker.start(1.0, now=False)
+        try:
+            yield defer.gatherResults([p.done for p in producers]).addTimeout(settings.timeout, reactor)
+        finally:
+            if ticker is not None and ticker.running:
+                ticker.stop()
+            if settings.faults:
+                yield faults.stop()
+        report.seconds = time.monotonic() - began
+        report.committed = sum(p.committed for p in producers)
+        yield _caught_up(reactor, clients, apps, settings)
+        _check_pass("first pass", apps, produced, report)
+        for client in clients:
+            yield client.close()
+        clients = []
+        # Full restart of every process, then a second pass from the start of the log.
+        yield threads.deferToThread(_restart_everything, cluster, servers)
+        reader = SmokeApplication("second pass", settings.partitions, report.anomalies)
+        client = WaltzClient(reader, _client_config(cluster, settings), reactor)
+        clients.append(client)
+        yield client.when_started()
+        yield _caught_up(reactor, clients, [reader], settings)
+        _check_pass("second pass", [reader], produced, report)
+    finally:
+        for client in clients:
+            yield client.close()
+        for server in servers:
+            yield threads.deferToThread(server.stop)
+        yield cluster.stop()
+    _check_replicas(cluster, settings, report)
+    return report
+
+
+def _client_config(cluster, settings):
+    return {"zookeeper.connectString": cluster.connect_string, "cluster.root": cluster.root,
+            "zookeeper.sessionTimeout": 10000,
+            "client.maxConcurrentTransactions": settings.inflight,
+            "client.transactionExpiration": int(settings.timeout * 1000)}
+
+
+def _progress(progress, producers, settings, began):
+    done = sum(p.committed for p in producers)
+    progress(done, settings.transactions, time.monotonic() - began)
+
+
+@defer.inlineCallbacks
+def _caught_up(reactor, clients, apps, settings, timeout=120.0):
+    """Wait until every application applied up to every partition's high-water mark."""
+    marks = yield clients[0].high_water_marks()
+    deadline = time.monotonic() + timeout
+    while any(app.high_water_marks[p] < marks[p] for app in apps for p in marks):
+        if time.monotonic() > deadline:
+            behind = {app.name: {p: (app.high_water_marks[p], marks[p]) for p in marks} for app in apps}
+            raise RuntimeError("clients did not catch up with the log within %.0f s: %s" % (timeout, behind))
+        yield task.deferLater(reactor, 0.1, lambda: None)
+
+
+def _check_pass(name, apps, produced, report):
+    expected_sum = sum(checksum(data) for data in produced)
+    expected = set(produced)
+    for app in apps:
+        if app.checksum_sum != expected_sum:
+            report.anomalies.append("%s, %s: sum of checksums consumed %d != produced %d"
+                                    % (name, app.name, app.checksum_sum, expected_sum))
+        if app.seen != expected:
+            report.anomalies.append("%s, %s: %d produced transactions missing, %d unexpected" % (
+                name, app.name, len(expected - app.seen), len(app.seen - expected)))
+
+
+def _restart_everything(cluster, servers):
+    for server in servers:
+        server.stop()
+    for storage in cluster.storages:
+        storage.stop()
+    cluster.zookeeper.stop()
+    cluster.zookeeper.start()
+    for storage in cluster.storages:
+        storage.start()
+    for server in servers:
+        server.start()
+
+
+def _check_replicas(cluster, settings, report):
+    """Every storage holds identical record bytes for each partition (segment headers hold creation times)."""
+    for pid in range(settings.partitions):
+        bodies = {}
+        for storage in cluster.storages:
+            body = b""
+            for path in sorted(glob.glob(os.path.join(storage.config["storage.directory"], str(pid), "*.seg"))):
+                with open(path, "rb") as stream:
+                    body += stream.read()[FILE_HEADER_SIZE:]
+            bodies[cluster.storage_name(storage)] = body
+        if len(set(bodies.values())) != 1:
+            sizes = {name: len(body) for name, body in bodies.items()}
+            report.anomalies.append("partition %d: replicas differ (record bytes %s)" % (pid, sizes))
