@@ -93,7 +93,7 @@ def measure_replication(reactor, args, run_dir):
     try:
         yield cluster.start(reactor)
         store = Store(cluster.metadata, reactor, max_batch_size=args.max_batch, initial_retry=0.05,
-                      max_retry=0.5, recovery_retry_interval=0.05)
+                      max_retry=0.5, recovery_retry_interval=0.05, max_batches_in_flight=args.batches_in_flight)
         yield store.start()
         partition = store.partition(0, 1)
         load = Load(reactor, partition, args.record_size, args.inflight)
@@ -120,6 +120,7 @@ def argument_parser():
     p.add_argument("--record-size", type=int, default=100)
     p.add_argument("--inflight", type=int, default=400, help="outstanding appends")
     p.add_argument("--max-batch", type=int, default=100, help="storage.maxBatchSize")
+    p.add_argument("--batches-in-flight", type=int, default=4, help="storage.maxBatchesInFlight")
     return p
 
 
