@@ -5,7 +5,10 @@ real frames); back pressure and bad input are driven byte by byte over
 ``StringTransport``.
 """
 
+import socket
+
 import pytest
+import pytest_twisted
 from twisted.internet import defer
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
@@ -294,3 +297,63 @@ def test_responses_are_protocol_errors(message):
     proto = ServerProtocol(registry)
     with pytest.raises(Exception, match="may not send"):
         proto.messageReceived(message)
+
+
+# -- socket options on a real loopback connection -----------------------------------------------
+
+
+class _Owner:
+    """The ManagedConnection side of a ClientProtocol: records readiness."""
+
+    def __init__(self):
+        self.ready = defer.Deferred()
+
+    def protocol_ready(self, protocol):
+        self.ready.callback(protocol)
+
+    def protocol_message(self, protocol, message):
+        return None
+
+    def protocol_closed(self, protocol, reason):
+        pass
+
+
+@pytest_twisted.inlineCallbacks
+def test_both_ends_of_a_client_connection_turn_nagle_off():
+    """TCP_NODELAY on the server's and the client's socket (the original sets it on every channel):
+    with Nagle on, small feed and append frames waited for delayed ACKs, adding tens of ms."""
+    from twisted.internet import endpoints, reactor
+    from twisted.internet.protocol import Factory
+    from waltz.client.network import ClientProtocol
+
+    server_factory = ServerFactory(DummyRegistry())
+    port = yield endpoints.TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(server_factory)
+    owner = _Owner()
+
+    class ClientFactory(Factory):
+        def buildProtocol(self, addr):
+            proto = ClientProtocol()
+            proto.factory, proto.owner = self, owner
+            return proto
+
+    client = None
+    try:
+        client = yield endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port).connect(
+            ClientFactory())
+        yield owner.ready
+        server = next(iter(server_factory.connections))
+        for proto in (client, server):
+            sock = proto.transport.getHandle()
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0, proto
+    finally:
+        if client is not None:
+            client.transport.loseConnection()
+        server_factory.close_connections()
+        yield port.stopListening()
+
+
+def test_a_transport_without_tcp_options_is_fine():
+    proto = ServerProtocol(DummyRegistry())
+    transport = StringTransport()
+    proto.makeConnection(transport)
+    assert proto.transport is transport and transport.value()   # the Hello went out

@@ -5,9 +5,8 @@ hold, keyed by partition id so that one instance can serve every partition
 of a server (reference section 6: a 64 MiB feed cache in blocks of 64
 headers, a 128 MiB transaction data cache).
 
-* :class:`FeedCache` keeps committed record headers, as the ready-made
-  ``FeedData`` message every feed sends for them (same fields: the original
-  ``ReqId``, transaction id, header), in blocks of
+* :class:`FeedCache` keeps committed record headers (the original ``ReqId``,
+  transaction id, header: what a ``FeedData`` carries), in blocks of
   :attr:`FeedCache.BLOCK_SIZE` consecutive transaction ids; a block
   is the unit of eviction and of a catch-up read from the store
   (:meth:`FeedCache.block_remainder`). Each header is charged
@@ -19,15 +18,23 @@ headers, a 128 MiB transaction data cache).
 Only committed transactions are ever put in, and a committed transaction
 never changes, so entries need no invalidation; :meth:`drop_partition` frees
 the memory of a partition that moved away.
+
+**No garbage-collector work per entry.** A full cache holds hundreds of
+thousands of entries for as long as the server runs. Were each one an object
+the cycle collector tracks (an attrs instance, a ``ReqId``), every full
+collection would walk all of them: with a few hundred thousand entries that
+was a pause of about 80 ms of the whole server (every append and feed of every
+partition waiting), growing with the cache. So entries are exact tuples of
+ints and bytes, which CPython stops tracking at their first collection, and
+messages and :class:`CachedData` are built when an entry is read.
 """
 
 import collections
 
-import attr
-
 from waltz.protocols.client_messages import FeedData
+from waltz.protocols.values import ReqId
 
-#: Bytes charged per header slot of a feed cache block (a rough CPython size of a RecordHeader and its ReqId).
+#: Bytes charged per header slot of a feed cache block (a rough CPython size of a six-int tuple entry).
 HEADER_BYTES = 160
 #: Bytes charged per transaction data entry on top of the data itself.
 DATA_ENTRY_OVERHEAD = 96
@@ -110,7 +117,7 @@ class FeedCache:
         return cls.BLOCK_SIZE - transaction_id % cls.BLOCK_SIZE
 
     def add(self, partition_id: int, header):
-        """Keep one committed ``RecordHeader`` of ``partition_id`` (as its ``FeedData``)."""
+        """Keep one committed ``RecordHeader`` of ``partition_id``."""
         index, offset = divmod(header.transaction_id, self.BLOCK_SIZE)
         key = (partition_id, index)
         block = self._blocks.peek(key)
@@ -118,7 +125,10 @@ class FeedCache:
             block = [None] * self.BLOCK_SIZE
             if not self._blocks.store(key, block, self.BLOCK_SIZE * HEADER_BYTES):
                 return
-        block[offset] = FeedData(header.req_id, header.transaction_id, header.header)
+        req_id = header.req_id
+        # A flat tuple of ints: untracked by the cycle collector (see the module doc).
+        block[offset] = (req_id.client_id, req_id.generation, req_id.partition_id, req_id.seq_num,
+                         header.transaction_id, header.header)
 
     def add_all(self, partition_id: int, headers):
         for header in headers:
@@ -129,7 +139,8 @@ class FeedCache:
         block = self._blocks.lookup((partition_id, transaction_id // self.BLOCK_SIZE))
         if block is None:
             return None
-        return block[transaction_id % self.BLOCK_SIZE]
+        entry = block[transaction_id % self.BLOCK_SIZE]
+        return None if entry is None else _feed_data(entry)
 
     def get_run(self, partition_id: int, transaction_id: int, max_count: int) -> list:
         """Up to ``max_count`` cached ``FeedData`` of consecutive ids from ``transaction_id`` (stops at a gap)."""
@@ -141,10 +152,10 @@ class FeedCache:
                 break
             offset = next_id % self.BLOCK_SIZE
             end = min(self.BLOCK_SIZE, offset + max_count - len(run))
-            for header in block[offset:end]:
-                if header is None:
+            for entry in block[offset:end]:
+                if entry is None:
                     return run
-                run.append(header)
+                run.append(_feed_data(entry))
             next_id += end - offset
         return run
 
@@ -152,12 +163,16 @@ class FeedCache:
         self._blocks.discard_where(lambda key: key[0] == partition_id)
 
 
-@attr.s(frozen=True, slots=True)
-class CachedData:
-    """The data of one committed transaction and its CRC32C."""
+def _feed_data(entry) -> FeedData:
+    client_id, generation, partition_id, seq_num, transaction_id, header = entry
+    return FeedData(ReqId(client_id, generation, partition_id, seq_num), transaction_id, header)
 
-    data = attr.ib()
-    checksum = attr.ib()
+
+class CachedData(collections.namedtuple("CachedData", "data checksum")):
+    """The data of one committed transaction and its CRC32C (built on each read: the cache keeps a
+    plain ``(data, checksum)`` tuple, which the cycle collector stops tracking)."""
+
+    __slots__ = ()
 
 
 class TransactionDataCache:
@@ -179,12 +194,13 @@ class TransactionDataCache:
         return self._entries.misses
 
     def put(self, partition_id: int, transaction_id: int, data: bytes, checksum: int):
-        self._entries.store((partition_id, transaction_id), CachedData(bytes(data), checksum),
+        self._entries.store((partition_id, transaction_id), (bytes(data), checksum),
                             len(data) + DATA_ENTRY_OVERHEAD)
 
     def get(self, partition_id: int, transaction_id: int):
         """The :class:`CachedData` of the transaction, or None."""
-        return self._entries.lookup((partition_id, transaction_id))
+        entry = self._entries.lookup((partition_id, transaction_id))
+        return None if entry is None else CachedData(*entry)
 
     def drop_partition(self, partition_id: int):
         self._entries.discard_where(lambda key: key[0] == partition_id)
