@@ -7,6 +7,7 @@ is locked, a cluster key mismatch...) the reason is logged and the process
 exits with status 1, because a half-started daemon must not look healthy.
 """
 
+import gc
 import logging
 import os
 
@@ -47,6 +48,17 @@ def exit_after_failure(reactor, failure, what):
         reactor.callWhenRunning(reactor.stop)
 
 
+def tune_garbage_collector():
+    """Move what start-up allocated out of the collector's sight and collect the young generation less often.
+
+    A daemon keeps many long-lived objects (caches, connections, sessions); full collections over them
+    stalled the reactor for tens of milliseconds under load.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
+
+
 class AsyncStartService(service.MultiService):
     """A MultiService whose :meth:`start` returns a Deferred; failure ends the process.
 
@@ -65,6 +77,7 @@ class AsyncStartService(service.MultiService):
         super().startService()
         route_standard_logging()
         self.started = defer.maybeDeferred(self.start)
+        self.started.addCallback(lambda result: (tune_garbage_collector(), result)[1])
         self.started.addErrback(lambda f: exit_after_failure(self.reactor, f, "%s start-up" % self.name))
 
     def stopService(self):
