@@ -293,3 +293,22 @@ def test_pipelined_batches_commit_in_order():
     assert results[3].called is False   # c acked batch 0 only: batch 3 has a's ack alone
     b.ack()
     assert results[3].result == 3
+
+
+def test_partial_batches_wait_for_the_one_in_flight_but_full_ones_pipeline():
+    h = Harness(manual=True)
+    partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=3, max_batches_in_flight=4)
+    partition.open()
+    results = [partition.append(ReqId(1, 1, 0, n), 0, b"x", checksum(b"x")) for n in range(8)]
+    session = h.sessions[0]
+    a, b, c = (session.replicas_by_name[s] for s in STORAGES)
+    # 0 went alone; 1-3 made a full batch that pipelined; 4-6 full again; 7 waits (partial, batches in flight).
+    assert [call[1] for call in a.calls if call[0] == "append"] == [(0,), (1, 2, 3), (4, 5, 6)]
+    for replica in (a, b):
+        for _ in range(3):
+            replica.ack()
+    assert [d.called for d in results] == [True] * 7 + [False]
+    assert a.calls[-1] == ("append", (7,))   # nothing in flight any more: the partial batch goes
+    a.ack()
+    b.ack()
+    assert results[7].result == 7

@@ -203,10 +203,21 @@ class StorePartition:
     # -- the write path ----------------------------------------------------------------------
 
     def _pump(self):
-        while (self._queue and len(self._in_flight) < self.max_batches_in_flight and self.session is not None
-               and self.session.writable):
+        while self._ready_to_send():
             self._send_batch(self.session)
         self._check_flush()
+
+    def _ready_to_send(self):
+        """Send when a pipeline slot is free and either nothing is in flight or a full batch is queued.
+
+        A partial batch waits for the one in flight instead of taking the next slot, so that under
+        moderate load batches fill up (fewer, larger storage requests) while full ones still pipeline.
+        """
+        if not self._queue or len(self._in_flight) >= self.max_batches_in_flight:
+            return False
+        if self.session is None or not self.session.writable:
+            return False
+        return not self._in_flight or len(self._queue) >= self.max_batch_size
 
     def _send_batch(self, session):
         batch = []
