@@ -9,7 +9,7 @@ through their admin ports. Everything it starts it stops by pid.
 
 import os
 
-from twisted.internet import defer
+from twisted.internet import defer, threads
 
 from waltz.local.daemons import local_storage
 from waltz.local.zookeeper import LocalZooKeeper
@@ -68,7 +68,7 @@ class LocalCluster:
         if self.zookeeper is None:
             self.zookeeper = LocalZooKeeper(os.path.join(self.run_dir, "zookeeper"))
         if not self.zookeeper.is_running():
-            self.zookeeper.start()
+            yield threads.deferToThread(self.zookeeper.start)
         self.zk_client = ZooKeeperClient(self.connect_string, reactor=reactor)
         yield self.zk_client.connect()
         self.metadata = ClusterMetadata(self.zk_client, self.root, reactor)
@@ -83,7 +83,7 @@ class LocalCluster:
         run_dir = os.path.join(self.run_dir, "storage%d" % len(self.storages))
         daemon = local_storage(run_dir, self.connect_string, self.root, **self.storage_overrides)
         self.storages.append(daemon)
-        daemon.start()
+        yield threads.deferToThread(daemon.start)
         name = self.storage_name(daemon)
         admin_port = daemon.config["storage.admin.port"]
         partitions = list(range(self.num_partitions))
@@ -99,6 +99,6 @@ class LocalCluster:
             yield self.zk_client.close()
             self.zk_client = None
         for daemon in reversed(self.storages):
-            daemon.stop()
+            yield threads.deferToThread(daemon.stop)
         if self._own_zookeeper and self.zookeeper is not None:
-            self.zookeeper.stop()
+            yield threads.deferToThread(self.zookeeper.stop)
