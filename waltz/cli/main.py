@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "waltz.cli.storage",
     "waltz.cli.dev",
     "waltz.cli.smoke",
+    "waltz.cli.client",
 )
 
 

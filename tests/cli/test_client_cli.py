@@ -1,0 +1,68 @@
+"""``waltz client high-water-mark`` as a process against a real local cluster (``waltz dev``)."""
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.cli.helpers import refused, waltz
+from waltz.local.daemons import free_port
+
+APPEND = textwrap.dedent("""
+    import sys
+    from waltz.client import TransactionContext, WaltzClientCallbacks
+    from waltz.client.blocking import BlockingWaltzClient
+
+    class Nothing(WaltzClientCallbacks):
+        def get_client_high_water_mark(self, partition_id):
+            return -1
+        def apply_transaction(self, transaction):
+            pass
+        def uncaught_exception(self, partition_id, transaction_id, exception):
+            pass
+
+    class Append(TransactionContext):
+        def partition_id(self, num_partitions):
+            return 2
+        def execute(self, builder):
+            builder.set_transaction_data(b"x")
+            return True
+
+    client = BlockingWaltzClient(Nothing(), {"zookeeper.connectString": sys.argv[1], "cluster.root": "/waltz_cluster"})
+    for _ in range(3):
+        assert client.execute(Append()).committed
+    client.close()
+""")
+
+
+@pytest.fixture
+def dev(tmp_path):
+    port = free_port()
+    args = ["--run-dir", str(tmp_path / "dev"), "--zookeeper-port", str(port)]
+    up = waltz("dev", "up", *args, timeout=180)
+    assert up.returncode == 0, up.stderr
+    yield "127.0.0.1:%d" % port
+    waltz("dev", "down", *args, timeout=120)
+
+
+@pytest.mark.timeout(300)
+def test_high_water_marks_follow_the_log(dev):
+    conn = ["--zookeeper", dev, "--root", "/waltz_cluster"]
+    before = waltz("client", "high-water-mark", *conn)
+    assert before.returncode == 0, before.stderr
+    assert re.findall(r"^partition (\d): high-water mark (-?\d+)$", before.stdout, re.M) == \
+        [("0", "-1"), ("1", "-1"), ("2", "-1"), ("3", "-1")]
+    appended = subprocess.run([sys.executable, "-c", APPEND, dev], capture_output=True, text=True, timeout=120)
+    assert appended.returncode == 0, appended.stderr
+    after = waltz("client", "high-water-mark", *conn, "--partitions", "2-3")
+    assert after.returncode == 0, after.stderr
+    assert after.stdout.splitlines() == ["partition 2: high-water mark 2", "partition 3: high-water mark -1"]
+    assert "partition 9 does not exist" in refused("client", "high-water-mark", *conn, "--partitions", "9")
+
+
+def test_no_cluster_is_a_one_line_error():
+    line = refused("client", "high-water-mark", "--zookeeper", "127.0.0.1:%d" % free_port(), "--root", "/nowhere",
+                   "--timeout", "3", "--connect-timeout", "2000")
+    assert "waltz: error:" in line
