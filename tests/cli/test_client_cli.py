@@ -37,18 +37,9 @@ APPEND = textwrap.dedent("""
 """)
 
 
-@pytest.fixture
-def dev(tmp_path):
-    port = free_port()
-    args = ["--run-dir", str(tmp_path / "dev"), "--zookeeper-port", str(port)]
-    up = waltz("dev", "up", *args, timeout=180)
-    assert up.returncode == 0, up.stderr
-    yield "127.0.0.1:%d" % port
-    waltz("dev", "down", *args, timeout=120)
-
-
 @pytest.mark.timeout(300)
-def test_high_water_marks_follow_the_log(dev):
+def test_high_water_marks_follow_the_log(dev_cluster):
+    dev, _ = dev_cluster
     conn = ["--zookeeper", dev, "--root", "/waltz_cluster"]
     before = waltz("client", "high-water-mark", *conn)
     assert before.returncode == 0, before.stderr

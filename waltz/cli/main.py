@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "waltz.cli.dev",
     "waltz.cli.smoke",
     "waltz.cli.client",
+    "waltz.cli.server",
 )
 
 

@@ -93,6 +93,11 @@ class ClusterMetadata:
         self._rng = rng or random_module.Random()
         self._retry = retry
 
+    @property
+    def reactor(self):
+        """The reactor this metadata's timers run on."""
+        return self._reactor
+
     # --- reading ---------------------------------------------------------------------------
 
     def read_versioned(self, path, cls):
