@@ -224,6 +224,11 @@ def _int_at_least(minimum, what):
     return parse
 
 
+def _verify(metadata, args):
+    from waltz.cli.verify import verify  # it uses the server and storage tools, which import this module
+    return verify(metadata, args)
+
+
 _positive_int = _int_at_least(1, "positive")
 _non_negative_int = _int_at_least(0, "non-negative")
 
@@ -261,6 +266,9 @@ SUBCOMMANDS = (
     ("unassign", "unassign partitions from a storage node", _unassign, _options(_STORAGE, _PARTITIONS, edit=True)),
     ("auto-assign", "spread all partitions round-robin over a group's storage nodes", _auto_assign,
      _options(_GROUP, edit=True)),
+    ("verify", "check the assignment against what servers and storage nodes report", _verify,
+     lambda parser: parser.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                                        help="seconds to wait for each server and storage node (default 5)")),
 )
 
 
