@@ -1,13 +1,17 @@
 """``waltz client``: tools that talk to the cluster as a Waltz client does.
 
 ``high-water-mark`` asks the servers for the high-water mark of every partition (or of those given).
+``validate`` runs producers that write their high-water mark + 1 under a write lock on their partition,
+and consumers that check every transaction's data equals its id and that ids are consecutive.
 """
 
-from twisted.internet import defer
+import time
+
+from twisted.internet import defer, task
 
 from waltz.cli.cluster import add_connection_options, connection_config, quiet_kazoo, run_reactor
 from waltz.cli.common import CliError, parse_partition_list
-from waltz.client import WaltzClient, WaltzClientCallbacks
+from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks
 
 
 class _Nothing(WaltzClientCallbacks):
@@ -53,6 +57,99 @@ def high_water_mark(args):
     return 0
 
 
+class _Validator(WaltzClientCallbacks):
+    """Applies transactions checking that data == transaction id and ids are consecutive."""
+
+    def __init__(self, name, num_partitions, problems):
+        self.name = name
+        self.high_water_marks = {p: -1 for p in range(num_partitions)}
+        self.problems = problems
+
+    def get_client_high_water_mark(self, partition_id):
+        return self.high_water_marks[partition_id]
+
+    def apply_transaction(self, transaction):
+        expected = self.high_water_marks[transaction.partition_id] + 1
+        if transaction.transaction_id != expected:
+            self.problems.append("%s: partition %d: transaction %d after %d" % (
+                self.name, transaction.partition_id, transaction.transaction_id, expected - 1))
+        return transaction.get_data().addCallback(self._check, transaction)
+
+    def _check(self, data, transaction):
+        if data != b"%d" % transaction.transaction_id:
+            self.problems.append("%s: partition %d: transaction %d holds %r" % (
+                self.name, transaction.partition_id, transaction.transaction_id, data))
+        self.high_water_marks[transaction.partition_id] = transaction.transaction_id
+
+
+class _NextId(TransactionContext):
+    """Writes the client's high-water mark + 1 under a write lock on the partition: only correct if current."""
+
+    def __init__(self, partition):
+        super().__init__()
+        self.partition = partition
+
+    def partition_id(self, num_partitions):
+        return self.partition
+
+    def execute(self, builder):
+        builder.set_transaction_data(b"%d" % (builder.client_high_water_mark + 1))
+        builder.set_write_locks([("validate", self.partition)])
+        return True
+
+
+def validate(args):
+    config = connection_config(args)
+    quiet_kazoo()
+    client_config = {"zookeeper.connectString": config["zookeeper.connectString"],
+                     "cluster.root": config["cluster.root"],
+                     "client.transactionExpiration": int(args.timeout * 1000)}
+    problems = []
+
+    @defer.inlineCallbacks
+    def run(reactor):
+        probe = WaltzClient(_Nothing(), dict(client_config, **{"client.autoMount": False}), reactor)
+        yield probe.when_started().addTimeout(args.timeout, reactor)
+        num_partitions = probe.num_partitions
+        start = yield defer.gatherResults([probe.high_water_mark(p) for p in range(num_partitions)])
+        yield probe.close()
+        validators = [_Validator("client %d" % i, num_partitions, problems) for i in range(args.clients)]
+        for validator in validators:
+            validator.high_water_marks.update(enumerate(start))
+        clients = [WaltzClient(v, client_config, reactor) for v in validators]
+        began = time.monotonic()
+        try:
+            yield defer.gatherResults([c.when_started() for c in clients]).addTimeout(args.timeout, reactor)
+            executions = [clients[n % len(clients)].execute(_NextId(n % num_partitions))
+                          for n in range(args.transactions)]
+            results = yield defer.gatherResults(executions).addTimeout(args.timeout, reactor)
+            committed = sum(1 for r in results if r.committed)
+            if committed != args.transactions:
+                problems.append("%d of %d transactions did not commit" % (args.transactions - committed,
+                                                                         args.transactions))
+            marks = yield clients[0].high_water_marks()
+            deadline = time.monotonic() + args.timeout
+            while any(v.high_water_marks[p] < marks[p] for v in validators for p in marks):
+                if time.monotonic() > deadline:
+                    raise CliError("the consumers did not catch up within %.0f s" % args.timeout)
+                yield task.deferLater(reactor, 0.05, lambda: None)
+            return committed, time.monotonic() - began
+        finally:
+            for client in clients:
+                yield client.close()
+
+    try:
+        committed, seconds = run_reactor(run)
+    except defer.TimeoutError:
+        raise CliError("validation did not finish within %.0f s" % args.timeout) from None
+    print("validated %d transactions with %d clients in %.1f s (%.0f/s)" % (
+        committed, args.clients, seconds, committed / seconds if seconds else 0))
+    for problem in problems:
+        print("PROBLEM: " + problem)
+    print("%d problem(s)" % len(problems) if problems else "every transaction's data equals its id; ids consecutive")
+    return 1 if problems else 0
+
+
 def register(subparsers):
     """Add ``waltz client`` and its subcommands."""
     parser = subparsers.add_parser("client", help="ask the cluster as a Waltz client does",
@@ -64,3 +161,9 @@ def register(subparsers):
     sub.add_argument("--partitions", help="partition list such as 0-3,7 (default all)")
     sub.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for answers (default 15)")
     sub.set_defaults(func=high_water_mark)
+    sub = commands.add_parser("validate", help="producers write hwm+1 under a lock; consumers check data == id")
+    add_connection_options(sub)
+    sub.add_argument("--transactions", type=int, default=1000, help="transactions to write (default 1000)")
+    sub.add_argument("--clients", type=int, default=2, help="producing and consuming clients (default 2)")
+    sub.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds (default 120)")
+    sub.set_defaults(func=validate)

@@ -1,0 +1,37 @@
+"""``waltz client validate``: as a process against a real local cluster, and its checker on wrong input."""
+
+import pytest
+from twisted.internet import defer
+
+from tests.cli.helpers import waltz
+from waltz.cli.client import _Validator
+
+
+@pytest.mark.timeout(300)
+def test_validate_passes_twice_on_a_real_cluster(dev_cluster):
+    connect, _ = dev_cluster
+    conn = ["--zookeeper", connect, "--root", "/waltz_cluster"]
+    for clients in ("2", "3"):   # the second run starts from a log that is not empty
+        result = waltz("client", "validate", *conn, "--transactions", "300", "--clients", clients, timeout=200)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "validated 300 transactions" in result.stdout
+        assert "every transaction's data equals its id; ids consecutive" in result.stdout
+
+
+class _Tx:
+    def __init__(self, partition_id, transaction_id, data):
+        self.partition_id, self.transaction_id, self._data = partition_id, transaction_id, data
+
+    def get_data(self):
+        return defer.succeed(self._data)
+
+
+def test_the_checker_reports_wrong_data_and_gaps():
+    problems = []
+    validator = _Validator("client 0", 2, problems)
+    validator.apply_transaction(_Tx(0, 0, b"0"))
+    assert problems == []
+    validator.apply_transaction(_Tx(0, 1, b"5"))
+    validator.apply_transaction(_Tx(1, 3, b"3"))
+    assert problems == ["client 0: partition 0: transaction 1 holds b'5'",
+                        "client 0: partition 1: transaction 3 after -1"]
