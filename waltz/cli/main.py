@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "waltz.cli.smoke",
     "waltz.cli.client",
     "waltz.cli.server",
+    "waltz.cli.perf",
 )
 
 
