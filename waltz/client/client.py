@@ -76,6 +76,7 @@ class WaltzClient:
         self._error = None
         self._nudger = task.LoopingCall(self._nudge)
         self._nudger.clock = reactor
+        self._last_refresh = None
         self.client_id = None
         self.num_partitions = None
         self.cluster_name = None
@@ -101,6 +102,8 @@ class WaltzClient:
         self._partitions = {pid: ClientPartition(pid, info.client_id, self._callbacks, self.settings,
                                                  self._reactor)
                             for pid in range(info.num_partitions)}
+        for partition in self._partitions.values():
+            partition.on_misrouted = self._misrouted
         self._set_state(ClientState.RUNNING)
         self._discovery.subscribe(self._locations_changed)
         if self.settings.auto_mount:
@@ -167,6 +170,22 @@ class WaltzClient:
         for pid in [p for p in self._location_waiters if p in locations]:
             for d in self._location_waiters.pop(pid):
                 d.callback(locations[pid])
+
+    def _misrouted(self, partition_id):
+        """A server said it does not serve ``partition_id``: read the partition map again (at most once
+        per ``client.mountRetryInterval``), in case a change was missed. A map that really is behind (a
+        dead server's descriptor is still there) catches up by itself; requests are retried meanwhile."""
+        refresh = getattr(self._discovery, "refresh", None)
+        if refresh is None or self.state is not ClientState.RUNNING:
+            return
+        now = self._reactor.seconds()
+        if self._last_refresh is not None and now - self._last_refresh < self.settings.mount_retry_interval:
+            return
+        self._last_refresh = now
+        log.debug("partition {pid} is not served where the map says; reading the map again", pid=partition_id)
+        defer.maybeDeferred(refresh).addErrback(
+            lambda f: log.warn("reading the partition map again failed: {error}", error=f.getErrorMessage())
+            if self.state is ClientState.RUNNING else None)
 
     def _connections(self, endpoint):
         connections = self._servers.get(endpoint)

@@ -9,6 +9,12 @@ hands to its subscribers every time it changes. A partition assigned to a server
 that has no descriptor (it died; the coordinator has not reassigned yet) has no
 location until the next assignment.
 
+The watches are kazoo recipes, which read the znodes again after a reconnect
+(kazoo does not re-register watches on a new connection). On top of them the
+discovery reads both again itself after every reconnect, and whenever the
+client asks (:meth:`ZooKeeperDiscovery.refresh`: a server said it does not
+serve a partition the map puts there); a read never replaces a newer assignment.
+
 The client depends on the small interface :class:`IClusterDiscovery` only, so unit
 tests give it a fake.
 """
@@ -19,7 +25,7 @@ from twisted.logger import Logger
 from zope.interface import Interface, implementer
 
 from waltz.client.network import Endpoint
-from waltz.zk.bridge import ZooKeeperClient
+from waltz.zk.bridge import SessionState, ZooKeeperClient
 from waltz.zk.errors import ZnodeDecodeError
 from waltz.zk.metadata import ClusterMetadata
 from waltz.zk.znodes import PartitionAssignment
@@ -77,6 +83,9 @@ class IClusterDiscovery(Interface):
     def close():
         """Stop watching; fires when done."""
 
+    # Optional: ``refresh()`` reads the partition map again now (fires when done); the client calls
+    # it, when present, after a server said it does not serve a partition the map puts there.
+
 
 @implementer(IClusterDiscovery)
 class ZooKeeperDiscovery:
@@ -92,8 +101,11 @@ class ZooKeeperDiscovery:
         self._listeners = []
         self._handles = []
         self._assignment = PartitionAssignment()
+        self._assignment_version = None   # the znode data version of _assignment (None: not read yet)
         self._descriptors = ()
         self._servers_read = 0
+        self._listening = False
+        self.refreshes = 0
         self.locations = None
         self.closed = False
 
@@ -106,6 +118,8 @@ class ZooKeeperDiscovery:
         params = yield self._metadata.cluster_params()
         client_id = yield self._metadata.allocate_client_id()
         path = self._metadata.paths.server_descriptors
+        self._zk.add_state_listener(self._session_changed)
+        self._listening = True
         self._handles.append((yield self._zk.watch_data(path, self._assignment_changed)))
         self._handles.append((yield self._zk.watch_children(path, self._servers_changed)))
         yield self._read_servers()
@@ -123,14 +137,39 @@ class ZooKeeperDiscovery:
 
     def _assignment_changed(self, data, stat):
         if data is None:
-            self._assignment = PartitionAssignment()
-        else:
-            try:
-                self._assignment = PartitionAssignment.decode(data, self._metadata.paths.server_descriptors)
-            except ZnodeDecodeError:
-                log.failure("ignoring an undecodable partition assignment")
-                return
+            self._assignment, self._assignment_version = PartitionAssignment(), None
+            self._publish()
+            return
+        self._take_assignment(data, stat.version)
+
+    def _take_assignment(self, data, version):
+        if self._assignment_version is not None and version < self._assignment_version:
+            return  # an older read arriving late
+        try:
+            assignment = PartitionAssignment.decode(data, self._metadata.paths.server_descriptors)
+        except ZnodeDecodeError:
+            log.failure("ignoring an undecodable partition assignment")
+            return
+        self._assignment, self._assignment_version = assignment, version
         self._publish()
+
+    def _session_changed(self, state):
+        if state == SessionState.CONNECTED and not self.closed:
+            # Changes made while disconnected reach the watches only if kazoo's recipes notice them.
+            self.refresh().addErrback(
+                lambda f: log.warn("reading the partition map after a reconnect failed: {error}",
+                                   error=f.getErrorMessage()) if not self.closed else None)
+
+    def refresh(self):
+        """Read the assignment and the live servers again now; fires once both are read (and published
+        if the map changed)."""
+        if self.closed or self._metadata is None:
+            return defer.succeed(None)
+        self.refreshes += 1
+        path = self._metadata.paths.server_descriptors
+        reading = self._zk.get(path).addCallback(lambda result: self._take_assignment(result[0], result[1].version))
+        return defer.gatherResults([reading, self._read_servers()], consumeErrors=True).addCallbacks(
+            lambda _: None, lambda f: f.value.subFailure)
 
     def _servers_changed(self, children):
         self._read_servers().addErrback(
@@ -164,6 +203,9 @@ class ZooKeeperDiscovery:
         if self.closed:
             return
         self.closed = True
+        if self._listening:
+            self._listening = False
+            self._zk.remove_state_listener(self._session_changed)
         for handle in self._handles:
             handle.cancel()
         if self._own_zk and self._zk is not None:

@@ -20,6 +20,16 @@ wait in order (back pressure).
 The feed is applied strictly in commit order, one transaction at a time: the
 mount response is queued behind the feed data that preceded it, so the monitor
 sees every success the server streamed before it declares the rest failed.
+
+**Routing misses.** The partition map comes from ZooKeeper and lags behind the
+cluster: a server may have restarted on the same endpoint under a new id, or
+given the partition up, before the assignment says so. A server that does not
+serve the partition answers a mount NOT_READY and a transaction data request
+"partition N is not served here"; neither is an error for the application. The
+data request stays pending and is sent again every ``client.mountRetryInterval``
+(and at once when the partition moves), and ``on_misrouted(partition_id)``
+asks the client to read the partition map again. The same holds for a
+high-water mark request, which such a server leaves unanswered.
 """
 
 import enum
@@ -84,6 +94,17 @@ class _DataFetch:
 
     waiters = attr.ib(factory=list)
     bad_checksums = attr.ib(default=0)
+    misrouted = attr.ib(default=0)     #: answers "not served here" (the request went to the wrong server)
+
+
+#: How a server that does not serve the partition answers a transaction data request
+#: (``waltz.server.protocol.NOT_SERVED`` and a closed ``ServerPartition``).
+NOT_SERVED_MARK = "is not served here"
+
+
+def is_not_served(error) -> bool:
+    """Whether a failed TransactionDataResponse's error says the server does not serve the partition."""
+    return bool(error) and NOT_SERVED_MARK in error
 
 
 class ClientPartition:
@@ -122,6 +143,10 @@ class ClientPartition:
         self._timers = {}
         self._fetches = {}
         self._hwm_waiters = []
+        self._hwm_sent_at = None
+        #: Called with the partition id when a server says it does not serve the partition (the client
+        #: then reads the partition map again).
+        self.on_misrouted = None
 
     def __repr__(self):
         return "<partition %d %s gen %d hwm %d>" % (
@@ -285,6 +310,7 @@ class ClientPartition:
                      delay=self._settings.mount_retry_interval)
             self._set_state(PartitionState.MOUNT_RETRY)
             self._later("mount", self._settings.mount_retry_interval, self._try_mount)
+            self._misrouted()
         else:
             self._client_ahead()
 
@@ -608,11 +634,19 @@ class ClientPartition:
         return d
 
     def nudge(self, now):
-        """Send a FLUSH when pending appends made no progress within ``client.longWaitThreshold``."""
+        """Send a FLUSH when pending appends made no progress within ``client.longWaitThreshold``; ask
+        for the high-water mark again when it has been unanswered that long (a server that does not
+        serve the partition drops the request)."""
         if len(self.monitor) and now - self.monitor.last_progress >= self._settings.long_wait_threshold:
             log.debug("partition {pid}: no progress for {seconds} s; flushing", pid=self.partition_id,
                       seconds=now - self.monitor.last_progress)
             self._send_flush()
+        if (self._hwm_waiters and self._hwm_sent_at is not None
+                and now - self._hwm_sent_at >= self._settings.long_wait_threshold):
+            log.info("partition {pid}: high-water mark request unanswered for {seconds} s; asking again",
+                     pid=self.partition_id, seconds=now - self._hwm_sent_at)
+            self._misrouted()
+            self._send_hwm_request()
 
     def _send_flush(self):
         req_id = self.monitor.last_req_id
@@ -650,6 +684,7 @@ class ClientPartition:
         return d
 
     def _send_hwm_request(self):
+        self._hwm_sent_at = self._clock.seconds()
         if self.rpc is not None and self.rpc.ready:
             self.rpc.send(m.HighWaterMarkRequest(self.next_req_id()))
 
@@ -657,8 +692,17 @@ class ClientPartition:
         if conn is self.rpc:
             self._resend_rpc()
 
+    def _misrouted(self):
+        """The server at the partition's location does not serve it (yet, or any more)."""
+        if self.on_misrouted is not None:
+            try:
+                self.on_misrouted(self.partition_id)
+            except Exception:
+                log.failure("partition {pid}: on_misrouted failed", pid=self.partition_id)
+
     def _resend_rpc(self):
         """Send again every request still unanswered (the connection or the server changed)."""
+        self._cancel("rpc")
         for transaction_id in list(self._fetches):
             self._send_data_request(transaction_id)
         if self._hwm_waiters:
@@ -680,9 +724,21 @@ class ClientPartition:
                      pid=self.partition_id, message=message)
 
     def _data_received(self, message):
-        fetch = self._fetches.pop(message.transaction_id, None)
+        fetch = self._fetches.get(message.transaction_id)
         if fetch is None:
             return
+        if not message.ok and is_not_served(message.error):
+            fetch.misrouted += 1
+            (log.info if fetch.misrouted == 1 else log.debug)(
+                "partition {pid}: transaction {txn} data: {endpoint} does not serve the partition ({error}); "
+                "asking again in {delay} s", pid=self.partition_id, txn=message.transaction_id,
+                endpoint=self.rpc.endpoint if self.rpc is not None else None, error=message.error,
+                delay=self._settings.mount_retry_interval)
+            self._misrouted()
+            if "rpc" not in self._timers:
+                self._later("rpc", self._settings.mount_retry_interval, self._resend_rpc)
+            return
+        del self._fetches[message.transaction_id]
         if message.ok:
             for d in fetch.waiters:
                 d.callback(message.data)

@@ -20,6 +20,22 @@ server side):
 * after the ZooKeeper session *expired* (its descriptor is gone) it registers
   again, with the same server id, as soon as a new session is connected.
 
+**The session and the partitions.** The partitions this server holds are only
+its own while its descriptor is registered: once the session is gone the
+coordinator hands them to the other servers at new generations. So
+
+* when the session *expires* the server gives up every partition at once
+  (``on_assignment({})``), before it registers again;
+* when the connection is lost for longer than the session timeout the session
+  has expired as far as ZooKeeper is concerned (a restarted ZooKeeper counts
+  the timeout from its restart, which is later still), so the server gives up
+  its partitions then too, without waiting to hear it (the reconnect may hang
+  for a long time, for instance against a ZooKeeper that is still starting);
+* after every reconnect it reconciles again: kazoo does not re-register watches
+  on a new connection (no ``SetWatches``), and changes made while it was away are
+  otherwise seen only if its watch recipes notice them. A pass that fails is
+  retried until one succeeds.
+
 States (:class:`MembershipState`), changed only through ``_enter``:
 ``NEW -> JOINING -> MEMBER``, ``MEMBER -> REJOINING -> MEMBER`` after an
 expiry, and ``STOPPED`` from any state. Everything runs on the reactor thread.
@@ -55,14 +71,18 @@ class ServerMembership:
 
     ``on_assignment(partitions)`` is called on the reactor thread with this
     server's ``{partition id: generation}`` each time its part of a current
-    assignment changes. ``rng`` shuffles the assignment lists (tests inject one);
-    ``retry_interval`` (seconds) spaces retries after ZooKeeper errors.
+    assignment changes, and with ``{}`` when the server must give up its
+    partitions because its session expired (or may have: see the module doc).
+    ``rng`` shuffles the assignment lists (tests inject one); ``retry_interval``
+    (seconds) spaces retries after ZooKeeper errors; ``disconnect_timeout``
+    (seconds, default: the ZooKeeper client's session timeout) is how long the
+    connection may stay lost before the server gives up its partitions.
     """
 
     log = Logger()
 
     def __init__(self, cluster, host, port, on_assignment, preferred_partitions=(), reactor=None, rng=None,
-                 retry_interval=0.5):
+                 retry_interval=0.5, disconnect_timeout=None):
         if reactor is None:
             from twisted.internet import reactor
         self.cluster = cluster
@@ -73,6 +93,9 @@ class ServerMembership:
         self.reactor = reactor
         self.rng = rng or random_module.Random()
         self.retry_interval = retry_interval
+        if disconnect_timeout is None:
+            disconnect_timeout = getattr(cluster.zk, "session_timeout_ms", 30000) / 1000.0
+        self.disconnect_timeout = disconnect_timeout
         self.state = MembershipState.NEW
         self.server_id = None
         self.num_partitions = None
@@ -88,6 +111,7 @@ class ServerMembership:
         self._reconciling = False
         self._reconcile_again = False
         self._retry_call = None
+        self._disconnected_call = None  # gives the partitions up if the connection stays lost
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -146,6 +170,7 @@ class ServerMembership:
         self._watches = []
         if self._retry_call is not None and self._retry_call.active():
             self._retry_call.cancel()
+        self._cancel_disconnected_call()
         if self._listening:
             self._listening = False
             self.cluster.zk.remove_state_listener(self._session_changed)
@@ -159,11 +184,44 @@ class ServerMembership:
     # --- session -------------------------------------------------------------------------------
 
     def _session_changed(self, state):
-        if state == SessionState.EXPIRED and self.state in (MembershipState.MEMBER, MembershipState.REJOINING):
+        if self.state not in (MembershipState.MEMBER, MembershipState.REJOINING):
+            return
+        if state == SessionState.SUSPENDED:
+            if self._disconnected_call is None:
+                self._disconnected_call = self.reactor.callLater(self.disconnect_timeout, self._disconnected_too_long)
+            return
+        self._cancel_disconnected_call()
+        if state == SessionState.EXPIRED:
             self.znode = None
             self._enter(MembershipState.REJOINING)
-        elif state == SessionState.CONNECTED and self.state is MembershipState.REJOINING:
-            self._rejoin()
+            self._give_up_partitions("the ZooKeeper session expired")
+        elif state == SessionState.CONNECTED:
+            if self.state is MembershipState.REJOINING:
+                self._rejoin()
+            else:
+                # Same session, new connection: whatever changed meanwhile, read it again.
+                self.request_reconcile()
+
+    def _cancel_disconnected_call(self):
+        call, self._disconnected_call = self._disconnected_call, None
+        if call is not None and call.active():
+            call.cancel()
+
+    def _disconnected_too_long(self):
+        self._disconnected_call = None
+        if self.cluster.zk.connected:
+            return
+        self._give_up_partitions("ZooKeeper has been unreachable for %.1f s: the session may have expired and "
+                                 "the partitions moved" % self.disconnect_timeout)
+
+    def _give_up_partitions(self, why):
+        """Stop holding any partition until a current assignment gives some back (``on_assignment({})``)."""
+        if not self.partitions:
+            return
+        self.log.warn("server {id} gives up partitions {partitions}: {why}", id=self.server_id,
+                      partitions=sorted(self.partitions.items()), why=why)
+        self.partitions = {}
+        self.on_assignment({})
 
     def _rejoin(self):
         if self._rejoining:

@@ -15,6 +15,10 @@ From then on :class:`ServerPartitions` opens a
 :class:`~waltz.server.partition.ServerPartition` (on ``store.partition(pid,
 generation)``) for each partition the assignment gives this server, and closes
 (with its store partition) each one that moves away or changes generation.
+It also closes a partition whose store partition is *lost* (a store session of
+a newer generation exists: another server took the partition over, and this
+server's view of the assignment is behind), so the server never answers as the
+owner of a partition it lost; the membership then reads the assignment again.
 It is the ``registry`` the client protocol asks for partitions;
 :class:`ServerInfo` answers the admin-ish client requests.
 
@@ -24,7 +28,7 @@ A failure during start-up is logged and ends the process with status 1.
 import time
 
 from twisted.application import internet
-from twisted.internet import defer
+from twisted.internet import defer, task
 from twisted.logger import Logger
 
 from waltz.config import ConfigError
@@ -93,18 +97,31 @@ class ServerPartitions:
     The ``registry`` of the client protocol: :meth:`partition` gives a partition
     only once it is ready (its store partition is writing); :meth:`server_info`
     the :class:`ServerInfo`.
+
+    A partition whose store partition reports ``lost`` (checked every
+    ``check_interval`` seconds on ``reactor``, or by calling
+    :meth:`check_lost`) is closed and stays closed until the assignment gives
+    it at another generation; ``on_lost(partition_id, generation, reason)`` is
+    then called (the service makes the membership read the assignment again).
     """
 
     log = Logger()
 
-    def __init__(self, store, factory, metrics=None):
+    def __init__(self, store, factory, metrics=None, reactor=None, on_lost=None, check_interval=0.5):
         self.store = store
         self.factory = factory      # (partition id, generation, store partition) -> ServerPartition
         self.metrics = metrics
+        self.reactor = reactor
+        self.on_lost = on_lost
+        self.check_interval = check_interval
         self.opened = {}            # partition id -> ServerPartition
         self.ready = set()          # partition ids whose start() fired
         self.failures = {}          # partition id -> why its start failed
+        self.lost = {}              # partition id -> (generation, why) of a partition another server took over
+        self.assigned = {}          # the last assignment: partition id -> generation
         self.info = None
+        self._store_partitions = {}  # partition id -> the store partition of the opened ServerPartition
+        self._checker = None
 
     # --- the registry contract ------------------------------------------------------------------
 
@@ -118,19 +135,26 @@ class ServerPartitions:
     # --- following the assignment ----------------------------------------------------------------
 
     def assign(self, assigned):
-        """Serve exactly ``assigned`` (``{partition id: generation}``)."""
+        """Serve exactly ``assigned`` (``{partition id: generation}``), except partitions lost at the
+        generation assigned."""
+        self.assigned = dict(assigned)
         for partition_id in sorted(self.opened):
             generation = assigned.get(partition_id)
             if generation != self.opened[partition_id].generation:
                 self._close(partition_id, "moved away" if generation is None else "new generation %d" % generation)
+        for partition_id in [pid for pid, (generation, _) in self.lost.items() if assigned.get(pid) != generation]:
+            del self.lost[partition_id]
         for partition_id, generation in sorted(assigned.items()):
-            if partition_id not in self.opened:
+            if partition_id not in self.opened and partition_id not in self.lost:
                 self._open(partition_id, generation)
+        self._check_lost_later()
 
     def _open(self, partition_id, generation):
         self.log.info("opening partition {pid} at generation {generation}", pid=partition_id, generation=generation)
-        partition = self.factory(partition_id, generation, self.store.partition(partition_id, generation))
+        store_partition = self.store.partition(partition_id, generation)
+        partition = self.factory(partition_id, generation, store_partition)
         self.opened[partition_id] = partition
+        self._store_partitions[partition_id] = store_partition
         if self.metrics is not None:
             self.metrics.partition_opens.inc()
             self.metrics.generation.set(generation, partition_id)
@@ -155,6 +179,7 @@ class ServerPartitions:
 
     def _close(self, partition_id, why):
         partition = self.opened.pop(partition_id)
+        self._store_partitions.pop(partition_id, None)
         self.ready.discard(partition_id)
         self.failures.pop(partition_id, None)
         self.log.info("closing partition {pid} (generation {generation}): {why}", pid=partition_id,
@@ -168,11 +193,51 @@ class ServerPartitions:
         return defer.gatherResults([d, self.store.close_partition(partition_id)])
 
     def close_all(self):
+        self._stop_checking()
         return defer.gatherResults([self._close(pid, "server stopping") for pid in sorted(self.opened)])
+
+    # --- partitions another server took over -------------------------------------------------------
+
+    def check_lost(self):
+        """Close every opened partition whose store partition is lost; returns their ids."""
+        found = []
+        for partition_id in sorted(self.opened):
+            reason = getattr(self._store_partitions.get(partition_id), "lost", None)
+            if not reason:
+                continue
+            generation = self.opened[partition_id].generation
+            self.lost[partition_id] = (generation, reason)
+            self.log.warn("partition {pid} (generation {generation}) was taken over by another server: {reason}",
+                          pid=partition_id, generation=generation, reason=reason)
+            self._close(partition_id, "lost: %s" % reason)
+            found.append(partition_id)
+            if self.on_lost is not None:
+                try:
+                    self.on_lost(partition_id, generation, reason)
+                except Exception:
+                    self.log.failure("on_lost({pid}) failed", pid=partition_id)
+        if not self.opened:
+            self._stop_checking()
+        return found
+
+    def _check_lost_later(self):
+        if self.reactor is None or not self.opened or self._checker is not None:
+            return
+        self._checker = task.LoopingCall(self.check_lost)
+        self._checker.clock = self.reactor
+        self._checker.start(self.check_interval, now=False).addErrback(
+            lambda f: self.log.failure("checking for lost partitions failed", f))
+
+    def _stop_checking(self):
+        checker, self._checker = self._checker, None
+        if checker is not None and checker.running:
+            checker.stop()
 
     def problems(self):
         """Partitions that failed to start, or whose store is not writing."""
-        found = []
+        found = ["partition %d (generation %d) is assigned here but another server took it over (%s); "
+                 "waiting for the assignment to catch up" % (pid, generation, why)
+                 for pid, (generation, why) in sorted(self.lost.items())]
         for partition_id, partition in sorted(self.opened.items()):
             if partition_id in self.failures:
                 found.append("partition %d (generation %d) failed to start: %s"
@@ -273,7 +338,8 @@ class WaltzServerService(AsyncStartService):
                            max_retry=config["storage.maxRetryInterval"] / 1000.0,
                            metrics=StoreMetrics(self.metrics_registry))
         yield self.store.start()
-        self.partitions = ServerPartitions(self.store, self.partition_factory, self.metrics)
+        self.partitions = ServerPartitions(self.store, self.partition_factory, self.metrics, reactor=self.reactor,
+                                           on_lost=self._partition_lost)
         self.membership = ServerMembership(self.cluster, config["server.host"], config["server.port"],
                                            self._assignment_changed, config["server.preferredPartitions"],
                                            reactor=self.reactor, rng=self.rng)
@@ -316,6 +382,11 @@ class WaltzServerService(AsyncStartService):
     def _assignment_changed(self, assigned):
         self.metrics.assignment_changes.inc()
         self.partitions.assign(assigned)
+
+    def _partition_lost(self, partition_id, generation, reason):
+        # Another server holds the partition at a newer generation: our assignment is behind. Read it again.
+        if self.membership is not None:
+            self.membership.request_reconcile()
 
     # --- health -------------------------------------------------------------------------------------
 

@@ -16,6 +16,13 @@ Deferreds' failures, unchanged; only a failed connect is reported as
 After a session expires kazoo reconnects with a *new* session: listeners see
 ``EXPIRED`` and then ``CONNECTED`` again, and whoever owns ephemeral znodes must
 create them again.
+
+Kazoo does not re-register watches on a new connection (it sends no
+``SetWatches``), even within the same session: a ZooKeeper restarted in between
+knows none of them. The persistent watches here (kazoo's ``DataWatch`` and
+``ChildrenWatch``) read their znode again after a reconnect and call back if it
+changed; code that must not miss a change made while it was disconnected also
+reads again itself on ``CONNECTED`` (membership, discovery).
 """
 
 from kazoo.client import KazooClient, KazooState
@@ -106,6 +113,7 @@ class ZooKeeperClient:
             from twisted.internet import reactor
         self._reactor = reactor
         self.connect_string = connect_string
+        self.session_timeout_ms = session_timeout_ms
         self.connect_timeout_ms = connect_timeout_ms
         self._kazoo = kazoo_client or KazooClient(
             hosts=connect_string, timeout=session_timeout_ms / 1000.0,

@@ -1,0 +1,100 @@
+"""A server whose store partition is lost (another server opened a store session at a newer generation:
+``StorePartition.lost``, after ``GenerationMismatchError``) closes that partition instead of answering as
+its owner, asks for the assignment again, and opens it again only at another generation."""
+
+from twisted.internet import defer
+from twisted.internet.task import Clock
+
+from waltz.protocols import client_messages as cm
+from waltz.protocols.values import ReqId
+from waltz.server.protocol import ServerProtocol
+from waltz.server.service import ServerPartitions
+
+
+class DummyStorePartition:
+    def __init__(self, partition_id, generation):
+        self.partition_id, self.generation = partition_id, generation
+        self.lost = None
+        self.closed = False
+
+
+class DummyStore:
+    def __init__(self):
+        self.partitions = {}
+        self.closed = []
+
+    def partition(self, partition_id, generation):
+        self.partitions[partition_id] = DummyStorePartition(partition_id, generation)
+        return self.partitions[partition_id]
+
+    def close_partition(self, partition_id):
+        self.closed.append(partition_id)
+        return defer.succeed(None)
+
+
+class DummyPartition:
+    def __init__(self, partition_id, generation, store):
+        self.partition_id, self.generation, self.store = partition_id, generation, store
+        self.closed = False
+        self.healthy = True
+
+    def start(self):
+        return defer.succeed(self)
+
+    def close(self):
+        self.closed = True
+
+
+def make(clock=None):
+    store, made, lost = DummyStore(), [], []
+
+    def factory(partition_id, generation, store_partition):
+        made.append(DummyPartition(partition_id, generation, store_partition))
+        return made[-1]
+    partitions = ServerPartitions(store, factory, reactor=clock,
+                                  on_lost=lambda pid, gen, why: lost.append((pid, gen, why)))
+    return store, made, lost, partitions
+
+
+def test_a_lost_partition_is_closed_and_reported():
+    store, made, lost, partitions = make()
+    partitions.assign({0: 3, 1: 2})
+    assert partitions.partition(0) is not None
+    store.partitions[0].lost = "generation 3 is stale: stored generation 4"
+    assert partitions.check_lost() == [0]
+    assert partitions.partition(0) is None and 0 not in partitions.opened
+    assert made[0].closed and store.closed == [0]
+    assert lost == [(0, 3, "generation 3 is stale: stored generation 4")]
+    assert partitions.partition(1) is not None
+    assert any("another server took it over" in p for p in partitions.problems())
+    # The same assignment again does not reopen it at the lost generation ...
+    partitions.assign({0: 3, 1: 2})
+    assert 0 not in partitions.opened and len(made) == 2
+    # ... a newer generation does.
+    partitions.assign({0: 5, 1: 2})
+    assert partitions.opened[0].generation == 5
+    assert partitions.lost == {} and partitions.problems() == []
+
+
+def test_lost_partitions_are_found_on_the_reactor():
+    clock = Clock()
+    store, made, lost, partitions = make(clock)
+    partitions.assign({2: 1})
+    store.partitions[2].lost = "taken over"
+    clock.advance(partitions.check_interval)
+    assert 2 not in partitions.opened and lost == [(2, 1, "taken over")]
+    assert clock.getDelayedCalls() == [], "nothing left to check: the checker stops"
+
+
+def test_clients_are_told_a_lost_partition_is_not_served_here():
+    store, made, lost, partitions = make()
+    partitions.assign({0: 1})
+    store.partitions[0].lost = "taken over"
+    partitions.check_lost()
+    proto = ServerProtocol(partitions)
+    sent = []
+    proto.sendMessage = sent.append
+    proto.messageReceived(cm.TransactionDataRequest(ReqId(1, 1, 0, 1), 7))
+    proto.messageReceived(cm.MountRequest(ReqId(1, 1, 0, 2), -1, 0))
+    assert not sent[0].ok and "is not served here" in sent[0].error
+    assert sent[1].state is cm.MountState.NOT_READY
