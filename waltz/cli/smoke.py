@@ -11,6 +11,7 @@ import tempfile
 
 from waltz.cli.cluster import quiet_kazoo, run_reactor
 from waltz.cli.common import CliError
+from waltz.local.daemons import stop_recorded_processes
 from waltz.local.smoke import SmokeSettings, run_smoke
 
 
@@ -26,6 +27,9 @@ def smoke(args):
         report = run_reactor(lambda reactor: run_smoke(reactor, run_dir, settings, progress))
     except RuntimeError as exc:
         raise CliError("smoke test did not finish: %s (logs kept in %s)" % (exc, run_dir)) from None
+    finally:
+        # After an interrupt the run's own clean-up may not have run: stop whatever is still recorded.
+        stop_recorded_processes(run_dir)
     print(format_report(settings, report))
     if report.anomalies:
         print("logs kept in %s" % run_dir)

@@ -212,3 +212,27 @@ def server_config(zookeeper, root, host="127.0.0.1", **overrides):
 def local_server(run_dir, zookeeper, root, **overrides):
     """A :class:`LocalDaemon` for a Waltz server (not started)."""
     return LocalDaemon("server", run_dir, server_config(zookeeper, root, **overrides), "server.http.port")
+
+
+def stop_recorded_processes(run_dir):
+    """Stop every Waltz daemon and ZooKeeper whose pid file lies under ``run_dir`` (by pid, checked first).
+
+    For clean-up after an interrupted run whose own bookkeeping did not get to stop them.
+    """
+    from waltz.local.zookeeper import LocalZooKeeper
+    stopped = []
+    for directory, _, files in os.walk(run_dir):
+        for kind, key in (("server", "server.http.port"), ("storage", "storage.http.port")):
+            if "%s.pid" % kind in files and "%s.yaml" % kind in files:
+                daemon = LocalDaemon.from_run_dir(kind, directory, key)
+                if daemon.is_running():
+                    daemon.stop()
+                    stopped.append(daemon.pid)
+    for directory, _, files in os.walk(run_dir):
+        if "zoo.cfg" in files:
+            zookeeper = LocalZooKeeper.from_run_dir(directory)
+            if zookeeper.is_running():
+                pid = zookeeper.pid
+                zookeeper.stop()
+                stopped.append(pid)
+    return stopped
