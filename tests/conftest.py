@@ -10,7 +10,9 @@ Tests that need ZooKeeper *fail* (a fixture error naming the Debian package),
 never skip, when it is not installed.
 """
 
+import os
 import re
+import sys
 import uuid
 
 import pytest
@@ -84,3 +86,19 @@ def pytest_configure(config):
     if path:
         from twisted.logger import globalLogPublisher, textFileLogObserver
         globalLogPublisher.addObserver(textFileLogObserver(open(path, "a")))
+
+
+# --- Process exit ------------------------------------------------------------------------------
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config._waltz_exit_status = int(exitstatus)
+
+
+def pytest_unconfigure(config):
+    """Leave as soon as pytest has reported: a kazoo client still retrying against a ZooKeeper a test
+    stopped keeps a thread that the interpreter's exit would otherwise wait for, forever."""
+    status = getattr(config, "_waltz_exit_status", None)
+    if status is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
