@@ -18,6 +18,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import reactor
 
+from waltz.local.cluster import LocalCluster
 from waltz.local.daemons import local_storage
 from waltz.protocols.rpc import connect_storage_client
 
@@ -102,3 +103,21 @@ def storage_clients(store_params):
     yield clients
     clients.close()
 
+
+
+@pytest_twisted.async_yield_fixture
+async def local_clusters(zookeeper, cluster_root, tmp_path):
+    """``await local_clusters(num_partitions, num_storages)``: a started :class:`LocalCluster` (on the session's
+    ZooKeeper, under this test's cluster root); every one made is stopped after the test."""
+    made = []
+
+    async def make(num_partitions, num_storages):
+        local = LocalCluster(str(tmp_path / ("cluster%d" % len(made))), num_partitions=num_partitions,
+                             num_storages=num_storages, root=cluster_root, zookeeper=zookeeper)
+        made.append(local)
+        await local.start(reactor)
+        return local
+
+    yield make
+    for local in made:
+        await local.stop()

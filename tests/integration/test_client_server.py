@@ -15,7 +15,6 @@ from twisted.internet import defer, reactor, task, threads
 
 from tests.client.test_docs import bank_module
 from waltz.client import Outcome, TransactionContext, WaltzClient, WaltzClientCallbacks
-from waltz.local.cluster import LocalCluster
 from waltz.local.daemons import local_server
 
 pytestmark = pytest.mark.integration
@@ -24,16 +23,10 @@ PARTITIONS = 2
 SESSION_TIMEOUT_MS = 4000
 
 
-@pytest_twisted.async_yield_fixture
-async def cluster(zookeeper, cluster_root, tmp_path):
+@pytest_twisted.async_fixture
+async def cluster(local_clusters):
     """PARTITIONS partitions on three storage daemons (every partition on each)."""
-    local = LocalCluster(str(tmp_path / "cluster"), num_partitions=PARTITIONS, num_storages=3, root=cluster_root,
-                         zookeeper=zookeeper)
-    try:
-        await local.start(reactor)
-        yield local
-    finally:
-        await local.stop()
+    return await local_clusters(PARTITIONS, 3)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from waltz.local.cluster import LocalCluster
 from waltz.local.daemons import local_server
 from waltz.local.zookeeper import port_in_use
 from waltz.protocols import client_messages as cm
-from waltz.protocols.base import WaltzProtocol
+from tests.protocols.recording import RecordingClient
 from waltz.protocols.values import ReqId
 
 pytestmark = pytest.mark.integration
@@ -31,16 +31,10 @@ SESSION_TIMEOUT_MS = 4000
 # --- fixtures and helpers ----------------------------------------------------------------------------
 
 
-@pytest_twisted.async_yield_fixture
-async def cluster(zookeeper, cluster_root, tmp_path):
+@pytest_twisted.async_fixture
+async def cluster(local_clusters):
     """A cluster of PARTITIONS partitions on two storage daemons (every partition on both)."""
-    local = LocalCluster(str(tmp_path / "cluster"), num_partitions=PARTITIONS, num_storages=2, root=cluster_root,
-                         zookeeper=zookeeper)
-    try:
-        await local.start(reactor)
-        yield local
-    finally:
-        await local.stop()
+    return await local_clusters(PARTITIONS, 2)
 
 
 @pytest.fixture
@@ -158,18 +152,8 @@ async def test_a_server_registers_gets_every_partition_and_turns_healthy(cluster
     assert port_in_use("127.0.0.1", daemon.config["server.port"])
 
 
-class WireClient(WaltzProtocol):
+class WireClient(RecordingClient):
     """A bare ``L`` connection that records what it receives."""
-
-    codec = cm.CLIENT_CODEC
-    hello_name = "Waltz Client"
-
-    def __init__(self):
-        super().__init__()
-        self.received = []
-
-    def messageReceived(self, message):
-        self.received.append(message)
 
     async def expect(self, kind, timeout=15.0):
         """The first received message of class ``kind`` (removed from :attr:`received`)."""

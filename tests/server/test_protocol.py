@@ -15,7 +15,7 @@ from twisted.internet.testing import StringTransport
 from twisted.test import iosim
 
 from waltz.protocols import client_messages as cm
-from waltz.protocols.base import WaltzProtocol
+from tests.protocols.recording import RecordingClient
 from waltz.protocols.framing import HEADER_SIZE, Hello, decode_frame_header, encode_frame
 from waltz.protocols.locks import lock_hash
 from waltz.protocols.values import ReqId
@@ -61,18 +61,8 @@ class DummyRegistry:
         return self.info
 
 
-class Client(WaltzProtocol):
+class Client(RecordingClient):
     """A bare client connection that records every message it receives."""
-
-    codec = cm.CLIENT_CODEC
-    hello_name = "Waltz Client"
-
-    def __init__(self):
-        super().__init__()
-        self.received = []
-
-    def messageReceived(self, message):
-        self.received.append(message)
 
     def take(self):
         received, self.received = self.received, []
