@@ -200,15 +200,24 @@ class ClusterMetadata:
         raise ConcurrentUpdateError("gave up updating %s: %d attempts in a row lost to concurrent updates"
                                     % (what, self._retry.attempts))
 
-    def update(self, path, cls, change):
+    def update(self, path, cls, change, create_missing=None):
         """Compare-and-set ``path``: read it as ``cls``, write ``change(value)`` if that differs.
 
         ``change`` may raise to abort (the exception is the Deferred's failure).
-        Fires with the value now stored.
+        ``create_missing(path)``, when given, creates a missing znode (a rival may
+        create it too) and the read-modify-write starts again; without it a missing
+        znode means there is no cluster. Fires with the value now stored.
         """
         @defer.inlineCallbacks
         def attempt():
-            current = yield self._read_required(path, cls)
+            if create_missing is None:
+                current = yield self._read_required(path, cls)
+            else:
+                try:
+                    current = yield self.read_versioned(path, cls)
+                except NoNodeError:
+                    yield create_missing(path)
+                    raise BadVersionError()  # created (by us or a rival): read it again
             new = change(current.value)
             if new == current.value:
                 return current.value
@@ -231,21 +240,8 @@ class ClusterMetadata:
     def update_partition_metadata(self, partition_id, change):
         """Compare-and-set ``<root>/store/partition/<id>`` with ``change(PartitionMetadata)``,
         creating it empty (generation -1, session -1) first if needed. Fires with the new value."""
-        path = self.paths.partition(partition_id)
-
-        @defer.inlineCallbacks
-        def attempt():
-            try:
-                current = yield self.read_versioned(path, PartitionMetadata)
-            except NoNodeError:
-                yield self._create_empty_partition(path)
-                raise BadVersionError()  # created (by us or a rival): read it again
-            new = change(current.value)
-            if new == current.value:
-                return current.value
-            yield self.zk.set(path, new.encode(), version=current.version)
-            return new
-        return self._retry_on_conflict(attempt, path)
+        return self.update(self.paths.partition(partition_id), PartitionMetadata, change,
+                           create_missing=self._create_empty_partition)
 
     def _create_empty_partition(self, path):
         d = self.zk.create(path, EMPTY_PARTITION_METADATA.encode())
