@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Sets everything up (see bootstrap.sh) and runs the main job: a local Waltz cluster (ZooKeeper, three
-# storage daemons, two servers; `waltz dev up`), the bank example of docs/client.md run against it, and the
-# cluster's state afterwards (`waltz dev status`). Everything lives under ./.waltz-dev (or $WALTZ_RUN_DIR);
-# stop it with `.venv/bin/waltz dev down`.
+# storage daemons, two servers; `waltz dev up`) and the bank demo on it (`waltz demo`: several application
+# instances moving money under optimistic locks while a storage and a server are killed and restarted, then
+# the checks that nothing was lost, duplicated or overdrawn), and the cluster's state afterwards
+# (`waltz dev status`). Everything lives under ./.waltz-dev (or $WALTZ_RUN_DIR); stop it with
+# `.venv/bin/waltz dev down`. Extra arguments go to `waltz demo` (e.g. --duration 30; see docs/demo.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
@@ -13,19 +15,7 @@ dev=(--run-dir "$RUN_DIR" --zookeeper-port "$ZK_PORT")
 
 $waltz dev up "${dev[@]}"
 echo
-echo "demo: running the bank example of docs/client.md against the cluster"
-.venv/bin/python - "$RUN_DIR" "$ZK_PORT" <<'PY'
-import os, re, sys
-run_dir, port = sys.argv[1], sys.argv[2]
-text = open("docs/client.md", encoding="utf-8").read()
-[code] = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith("# bank.py")]
-with open(os.path.join(run_dir, "bank.py"), "w") as f:
-    f.write(code)
-with open(os.path.join(run_dir, "client.yaml"), "w") as f:
-    f.write("zookeeper.connectString: 127.0.0.1:%s\ncluster.root: /waltz_cluster\n" % port)
-PY
-rm -f "$RUN_DIR/bank.db"
-.venv/bin/python "$RUN_DIR/bank.py" "$RUN_DIR/client.yaml" "$RUN_DIR/bank.db"
+$waltz demo "${dev[@]}" "$@"
 echo
 $waltz dev status "${dev[@]}"
 echo

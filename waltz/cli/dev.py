@@ -7,8 +7,6 @@ with its pid and health, every partition with its server, generation and high-wa
 transaction id.
 """
 
-import re
-
 from twisted.internet import defer, threads
 
 from waltz.cli.common import CliError
@@ -19,9 +17,6 @@ from waltz.local.devcluster import DEFAULT_ROOT, DEFAULT_RUN_DIR, DEFAULT_ZOOKEE
 from waltz.local.zookeeper import ZooKeeperLaunchError
 from waltz.zk.bridge import ZooKeeperClient
 from waltz.zk.metadata import ClusterMetadata
-
-_HWM_LINE = re.compile(r'^waltz_server_partition_high_water_mark\{partition="(\d+)"\} (-?\d+)', re.M)
-
 
 def _cluster(args):
     quiet_kazoo()
@@ -115,13 +110,8 @@ def cluster_status(reactor, cluster):
 def _server_high_water_marks(cluster):
     """Partition -> high-water mark, as the running servers report in their metrics."""
     found = {}
-    for name, daemon in cluster.daemons():
-        if daemon.kind == "server" and daemon.is_running():
-            try:
-                code, text = daemon.http_get("/metrics")
-            except OSError:
-                continue
-            found.update((int(p), int(h)) for p, h in _HWM_LINE.findall(text))
+    for marks in cluster.served_partitions().values():
+        found.update(marks)
     return found
 
 

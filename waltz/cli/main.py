@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "waltz.cli.storage",
     "waltz.cli.dev",
     "waltz.cli.smoke",
+    "waltz.cli.demo",
     "waltz.cli.client",
     "waltz.cli.server",
     "waltz.cli.perf",

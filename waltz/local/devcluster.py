@@ -15,6 +15,7 @@ each daemon's config file, so a cluster comes back on the same ports.
 """
 
 import os
+import re
 
 from twisted.internet import defer, threads
 
@@ -29,7 +30,12 @@ DEFAULT_RUN_DIR = ".waltz-dev"
 DEFAULT_ZOOKEEPER_PORT = 42181
 DEFAULT_ROOT = "/waltz_cluster"
 
+#: A local server's ZooKeeper session expires 6 s after it dies (30 s by default), so its partitions move
+#: to the other server quickly when the demo kills it.
+SERVER_OVERRIDES = {"zookeeper.sessionTimeout": 6000}
+
 _HTTP_PORT_KEYS = {"storage": "storage.http.port", "server": "server.http.port"}
+_HWM_LINE = re.compile(r'^waltz_server_partition_high_water_mark\{partition="(\d+)"\} (-?\d+)', re.M)
 
 
 class DevCluster:
@@ -69,6 +75,19 @@ class DevCluster:
                     found.append(("%s-%d" % (kind, index), daemon))
         return found
 
+    def served_partitions(self):
+        """``{server name: {partition: high-water mark}}`` as each running server's ``/metrics`` reports
+        (blocking: HTTP requests)."""
+        served = {}
+        for name, daemon in self.daemons():
+            if daemon.kind == "server" and daemon.is_running():
+                try:
+                    code, text = daemon.http_get("/metrics")
+                except OSError:
+                    continue
+                served[name] = {int(p): int(h) for p, h in _HWM_LINE.findall(text)} if code == 200 else {}
+        return served
+
     # -- up -----------------------------------------------------------------------------------------
 
     @defer.inlineCallbacks
@@ -90,7 +109,7 @@ class DevCluster:
             yield zk.close()
         for index in range(self.num_servers):
             yield self._ensure_daemon("server", index, lambda run_dir: local_server(
-                run_dir, self.connect_string, self.root), report)
+                run_dir, self.connect_string, self.root, **SERVER_OVERRIDES), report)
 
     @defer.inlineCallbacks
     def _ensure_cluster(self, metadata, report):

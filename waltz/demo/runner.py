@@ -1,0 +1,289 @@
+"""The demo run: bank instances as separate processes, faults in the middle, live progress, the proof at the end.
+
+:func:`run_demo` makes sure the local cluster (:class:`~waltz.local.devcluster.DevCluster`) is up,
+starts ``instances`` processes of :mod:`waltz.demo.instance`, each with its own SQLite database
+under ``<run dir>/demo/run-N/``, prints their combined progress every ``progress_interval``
+seconds, and, with faults on, kills (SIGKILL) a storage at 20 % of the run and restarts it at
+40 %, then kills the server holding the most partitions at 50 % and restarts it at 75 %. When
+every instance has finished its workload it tells them to drain (catch up with the whole log),
+and runs :func:`waltz.demo.checks.verify` on their databases and reports.
+
+Each run uses fresh account numbers (``(N - 1) * 1000 + 1`` onwards), while every instance
+still rebuilds its database from the whole log, earlier runs included.
+"""
+
+import json
+import os
+import sys
+import time
+
+import attr
+from twisted.internet import defer, error, protocol, task, threads
+from twisted.logger import Logger
+
+from waltz.demo.checks import load_instance, verify
+
+log = Logger()
+
+ACCOUNT_NUMBERS_PER_RUN = 1000
+
+
+@attr.s(frozen=True, auto_attribs=True)
+class DemoSettings:
+    instances: int = 3
+    accounts: int = 20
+    duration: float = 60.0
+    concurrency: int = 8
+    faults: bool = True
+    seed: int = 1
+    progress_interval: float = 2.0
+    #: Seconds allowed for an instance to start (join the cluster) and, at the end, to catch up.
+    start_timeout: float = 120.0
+    drain_timeout: float = 300.0
+
+
+@attr.s(auto_attribs=True)
+class DemoReport:
+    run_dir: str
+    checks: list = attr.Factory(list)
+    faults: list = attr.Factory(list)
+    totals: dict = attr.Factory(dict)
+    seconds: float = 0.0
+
+    @property
+    def passed(self):
+        return bool(self.checks) and all(check.passed for check in self.checks)
+
+
+class InstanceError(RuntimeError):
+    """An instance process failed."""
+
+
+class InstanceProcess(protocol.ProcessProtocol):
+    """One instance process: its JSON-lines events on stdout, its stderr in its log file."""
+
+    EVENTS = ("started", "produced", "finished")
+
+    def __init__(self, name, log_path):
+        self.name = name
+        self.log_path = log_path
+        self.stats = {}
+        self.error = None
+        self._buffer = b""
+        self._log = open(log_path, "ab")
+        self.events = {event: defer.Deferred() for event in self.EVENTS}
+        self.ended = defer.Deferred()
+
+    def outReceived(self, data):
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            self._line(line)
+
+    def _line(self, line):
+        try:
+            message = json.loads(line)
+        except ValueError:
+            self._log.write(line + b"\n")
+            return
+        event = message.pop("event", None)
+        if event == "error":
+            self.error = message.get("message")
+            return
+        if event in ("progress",) + self.EVENTS:
+            self.stats = message
+        if event in self.events and not self.events[event].called:
+            self.events[event].callback(self)
+
+    def errReceived(self, data):
+        self._log.write(data)
+        self._log.flush()
+
+    def drain(self):
+        self.transport.write(b"drain\n")
+
+    def processEnded(self, reason):
+        self._log.close()
+        code = reason.value.exitCode if isinstance(reason.value, (error.ProcessDone, error.ProcessTerminated)) \
+            else None
+        problem = InstanceError("%s exited (status %s)%s; see %s" % (
+            self.name, code, ": " + self.error if self.error else "", self.log_path))
+        for d in self.events.values():
+            if not d.called:
+                d.errback(problem)
+        self.ended.callback(code)
+
+    def kill(self):
+        if not self.ended.called:
+            try:
+                self.transport.signalProcess("KILL")
+            except error.ProcessExitedAlready:
+                pass
+
+
+def _sleep_until(reactor, when):
+    return task.deferLater(reactor, max(0.0, when - reactor.seconds()), lambda: None)
+
+
+def _with_timeout(reactor, d, seconds, what):
+    def timed_out(failure):
+        failure.trap(defer.TimeoutError, defer.CancelledError)
+        raise InstanceError("%s within %.0f s" % (what, seconds))
+    return d.addTimeout(seconds, reactor).addErrback(timed_out)
+
+
+class FaultPlan:
+    """Kill a storage and a server (SIGKILL) in the middle of the run and bring them back."""
+
+    def __init__(self, reactor, cluster, duration, say):
+        self.reactor = reactor
+        self.cluster = cluster
+        self.duration = duration
+        self.say = say
+        self.faults = []
+        self.down = []
+
+    @defer.inlineCallbacks
+    def run(self, began):
+        """Fires when every process it killed runs again."""
+        storage = "storage-%d" % min(1, self.cluster.num_storages - 1)
+        yield self._outage(storage, began + 0.2 * self.duration, began + 0.4 * self.duration)
+        yield _sleep_until(self.reactor, began + 0.5 * self.duration)
+        served = yield threads.deferToThread(self.cluster.served_partitions)
+        if served:
+            server = max(sorted(served), key=lambda name: len(served[name]))
+            yield self._outage(server, began + 0.5 * self.duration, began + 0.75 * self.duration,
+                               "holding partitions %s" % ",".join(map(str, sorted(served[server]))))
+
+    @defer.inlineCallbacks
+    def _outage(self, name, kill_at, restart_at, why=""):
+        kind, index = name.rsplit("-", 1)
+        daemon = self.cluster.daemon(kind, int(index))
+        yield _sleep_until(self.reactor, kill_at)
+        pid = daemon.pid
+        yield threads.deferToThread(daemon.kill)
+        self.down.append(name)
+        self.say("fault: %s (pid %s%s) killed with SIGKILL" % (name, pid, ", " + why if why else ""))
+        killed = self.reactor.seconds()
+        yield _sleep_until(self.reactor, restart_at)
+        yield threads.deferToThread(daemon.start)
+        self.down.remove(name)
+        self.faults.append("%s killed and restarted after %.1f s" % (name, self.reactor.seconds() - killed))
+        self.say("fault: %s restarted (pid %s)" % (name, daemon.pid))
+
+
+class Progress:
+    """The combined progress line of every instance."""
+
+    FIELDS = ("committed", "lock_failures", "retries", "refused", "expired", "failed")
+
+    def __init__(self, reactor, instances, faults, say):
+        self.reactor = reactor
+        self.instances = instances
+        self.faults = faults
+        self.say = say
+        self.began = reactor.seconds()
+        self._last = (self.began, 0)
+
+    def totals(self):
+        return {field: sum(i.stats.get(field, 0) for i in self.instances) for field in self.FIELDS}
+
+    def show(self):
+        now = self.reactor.seconds()
+        totals = self.totals()
+        last_time, last_committed = self._last
+        rate = (totals["committed"] - last_committed) / (now - last_time) if now > last_time else 0.0
+        self._last = (now, totals["committed"])
+        down = " | down: %s" % ", ".join(self.faults.down) if self.faults and self.faults.down else ""
+        self.say("[%4.0fs] committed %d (%.0f/s), lock failures %d, retries %d, refused %d, expired %d, "
+                 "failed %d%s" % (now - self.began, totals["committed"], rate, totals["lock_failures"],
+                                  totals["retries"], totals["refused"], totals["expired"], totals["failed"], down))
+
+
+def new_run_dir(demo_dir):
+    """``<demo_dir>/run-N`` for the next N, created; returns ``(path, N)``."""
+    os.makedirs(demo_dir, exist_ok=True)
+    taken = [int(name[4:]) for name in os.listdir(demo_dir) if name.startswith("run-") and name[4:].isdigit()]
+    number = max(taken, default=0) + 1
+    path = os.path.join(demo_dir, "run-%d" % number)
+    os.makedirs(path)
+    return path, number
+
+
+def _write_client_config(path, cluster):
+    with open(path, "w", encoding="utf-8") as stream:
+        stream.write("zookeeper.connectString: %s\ncluster.root: %s\n" % (cluster.connect_string, cluster.root))
+
+
+def _spawn(reactor, run_dir, index, first_account, config_path, settings):
+    name = "instance-%d" % index
+    directory = os.path.join(run_dir, name)
+    os.makedirs(directory)
+    process = InstanceProcess(name, os.path.join(directory, "instance.log"))
+    argv = [sys.executable, "-m", "waltz.demo.instance", "--name", name, "--config", config_path,
+            "--db", os.path.join(directory, "bank.db"), "--report", os.path.join(directory, "report.json"),
+            "--first-account", str(first_account), "--accounts", str(settings.accounts),
+            "--duration", str(settings.duration), "--concurrency", str(settings.concurrency),
+            "--seed", str(settings.seed * 1000 + index)]
+    reactor.spawnProcess(process, sys.executable, argv, env=dict(os.environ), path=directory)
+    return process
+
+
+@defer.inlineCallbacks
+def run_demo(reactor, cluster, settings=DemoSettings(), say=print):
+    """Run the demo on ``cluster`` (started if needed); fires with a :class:`DemoReport`."""
+    yield cluster.up(reactor, report=lambda line: None)
+    run_dir, number = new_run_dir(os.path.join(cluster.run_dir, "demo"))
+    first_account = (number - 1) * ACCOUNT_NUMBERS_PER_RUN + 1
+    config_path = os.path.join(run_dir, "client.yaml")
+    _write_client_config(config_path, cluster)
+    say("demo: %d bank instances, accounts %d-%d, %.0f s%s; files in %s"
+        % (settings.instances, first_account, first_account + settings.accounts - 1, settings.duration,
+           ", a storage and a server killed and restarted midway" if settings.faults else "", run_dir))
+    instances = [_spawn(reactor, run_dir, i, first_account, config_path, settings)
+                 for i in range(settings.instances)]
+    trigger = reactor.addSystemEventTrigger("before", "shutdown", lambda: [i.kill() for i in instances])
+    report = DemoReport(run_dir)
+    began = time.monotonic()
+    try:
+        yield _with_timeout(reactor, defer.gatherResults([i.events["started"] for i in instances],
+                                                         consumeErrors=True),
+                            settings.start_timeout, "the instances did not all join the cluster")
+        say("demo: every instance has joined the cluster and rebuilt its database from the log")
+        faults = FaultPlan(reactor, cluster, settings.duration, say) if settings.faults else None
+        fault_run = faults.run(reactor.seconds()) if faults else defer.succeed(None)
+        progress = Progress(reactor, instances, faults, say)
+        display = task.LoopingCall(progress.show)
+        display.start(settings.progress_interval, now=False)
+        try:
+            yield defer.gatherResults([i.events["produced"] for i in instances], consumeErrors=True)
+            yield fault_run
+        finally:
+            display.stop()
+        progress.show()
+        report.faults = faults.faults if faults else []
+        say("demo: every instance has stopped writing; each now catches up with the whole log")
+        for instance in instances:
+            instance.drain()
+        yield _with_timeout(reactor, defer.gatherResults([i.events["finished"] for i in instances],
+                                                         consumeErrors=True),
+                            settings.drain_timeout, "the instances did not all catch up")
+        yield defer.gatherResults([i.ended for i in instances])
+        report.totals = progress.totals()
+        report.seconds = time.monotonic() - began
+        states = yield threads.deferToThread(load_run, run_dir)
+        report.checks = verify(states)
+    except defer.FirstError as failure:
+        failure.subFailure.raiseException()
+    finally:
+        for instance in instances:
+            instance.kill()
+        reactor.removeSystemEventTrigger(trigger)
+    return report
+
+
+def load_run(run_dir):
+    """Every instance's final state in a run directory (its ``instance-*`` directories)."""
+    names = sorted((n for n in os.listdir(run_dir) if n.startswith("instance-")), key=lambda n: int(n[9:]))
+    return [load_instance(n, os.path.join(run_dir, n, "bank.db"), os.path.join(run_dir, n, "report.json"))
+            for n in names]
