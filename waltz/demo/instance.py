@@ -17,7 +17,6 @@ is in the log) and exits.
 import argparse
 import json
 import random
-import sqlite3
 import sys
 import time
 
@@ -26,7 +25,7 @@ from twisted.internet import defer, stdio, task
 from twisted.protocols.basic import LineReceiver
 
 from waltz.client import Outcome, WaltzClient
-from waltz.demo.bank import DEACTIVATE, DEPOSIT, WITHDRAWAL, Bank, Deactivation, Deposit, Withdrawal
+from waltz.demo.bank import DEACTIVATE, DEPOSIT, WITHDRAWAL, Bank, Deactivation, Deposit, Withdrawal, open_database
 
 PROGRESS_INTERVAL = 0.5
 
@@ -161,7 +160,7 @@ def catch_up(client):
 
 @defer.inlineCallbacks
 def run_instance(reactor, args, channel):
-    bank = Bank(lambda: sqlite3.connect(args.db), reactor=reactor)
+    bank = Bank(lambda: open_database(args.db), reactor=reactor)
     yield bank.create_tables()
     client = WaltzClient(bank, args.config, reactor)
     stats = InstanceStats()

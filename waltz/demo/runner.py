@@ -184,6 +184,7 @@ class Progress:
         self.say = say
         self.began = reactor.seconds()
         self._last = (self.began, 0)
+        self._rate = 0.0
 
     def totals(self):
         return {field: sum(i.stats.get(field, 0) for i in self.instances) for field in self.FIELDS}
@@ -192,8 +193,10 @@ class Progress:
         now = self.reactor.seconds()
         totals = self.totals()
         last_time, last_committed = self._last
-        rate = (totals["committed"] - last_committed) / (now - last_time) if now > last_time else 0.0
-        self._last = (now, totals["committed"])
+        if now - last_time >= 1.0:      # a rate over less than a second says little (the last line)
+            self._rate = (totals["committed"] - last_committed) / (now - last_time)
+            self._last = (now, totals["committed"])
+        rate = self._rate
         down = " | down: %s" % ", ".join(self.faults.down) if self.faults and self.faults.down else ""
         self.say("[%4.0fs] committed %d (%.0f/s), lock failures %d, retries %d, refused %d, expired %d, "
                  "failed %d%s" % (now - self.began, totals["committed"], rate, totals["lock_failures"],
