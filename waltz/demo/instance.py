@@ -7,8 +7,8 @@ accounts with ``--concurrency`` transactions in flight, and one deactivation at 
 random moment between 30 % and 70 % of the run.
 
 It talks to the demo runner (:mod:`waltz.demo.runner`) in JSON lines: on stdout it
-writes ``started``, ``progress`` (twice a second), ``produced`` (the workload is
-over), ``finished`` and ``error`` events; on stdin it waits for the line ``drain``
+writes ``started`` (its database rebuilt from the log), ``progress`` (twice a
+second), ``produced`` (the workload is over), ``finished`` and ``error`` events; on stdin it waits for the line ``drain``
 (every instance has stopped writing), then catches up with every partition's
 high-water mark, writes its report (every transaction it committed, with where it
 is in the log) and exits.
@@ -167,7 +167,9 @@ def run_instance(reactor, args, channel):
     progress = task.LoopingCall(lambda: channel.send("progress", **attr.asdict(stats)))
     try:
         yield client.when_started()
-        channel.send("started", partitions=client.num_partitions)
+        # Rebuild the database from the log before making decisions on it.
+        marks = yield catch_up(client)
+        channel.send("started", partitions=client.num_partitions, rebuilt=sum(m + 1 for m in marks.values()))
         progress.start(PROGRESS_INTERVAL, now=False)
         workload = Workload(reactor, client, bank, args, stats)
         yield workload.run()

@@ -68,6 +68,7 @@ class InstanceProcess(protocol.ProcessProtocol):
         self.name = name
         self.log_path = log_path
         self.stats = {}
+        self.started = {}
         self.error = None
         self._buffer = b""
         self._log = open(log_path, "ab")
@@ -90,7 +91,9 @@ class InstanceProcess(protocol.ProcessProtocol):
         if event == "error":
             self.error = message.get("message")
             return
-        if event in ("progress",) + self.EVENTS:
+        if event == "started":
+            self.started = message
+        elif event in ("progress",) + self.EVENTS:
             self.stats = message
         if event in self.events and not self.events[event].called:
             self.events[event].callback(self)
@@ -252,7 +255,8 @@ def run_demo(reactor, cluster, settings=DemoSettings(), say=print):
         yield _with_timeout(reactor, defer.gatherResults([i.events["started"] for i in instances],
                                                          consumeErrors=True),
                             settings.start_timeout, "the instances did not all join the cluster")
-        say("demo: every instance has joined the cluster and rebuilt its database from the log")
+        say("demo: every instance has joined the cluster and rebuilt its database from the log (%d transactions)"
+            % instances[0].started["rebuilt"])
         faults = FaultPlan(reactor, cluster, settings.duration, say) if settings.faults else None
         fault_run = faults.run(reactor.seconds()) if faults else defer.succeed(None)
         progress = Progress(reactor, instances, faults, say)
