@@ -111,6 +111,19 @@ class Producer:
         self.reactor.callLater(0, self._next)
 
 
+def cpu_seconds(pid):
+    """``(user, system)`` CPU seconds of process ``pid`` (all its threads), from /proc."""
+    with open("/proc/%d/stat" % pid, encoding="ascii") as stream:
+        fields = stream.read().rpartition(")")[2].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_snapshot(processes):
+    """CPU seconds so far of each named process (``{name: pid}``)."""
+    return {name: cpu_seconds(pid) for name, pid in processes.items()}
+
+
 def client_config(cluster, inflight):
     return {"zookeeper.connectString": cluster.connect_string, "cluster.root": cluster.root,
             "client.maxConcurrentTransactions": inflight}
@@ -140,12 +153,22 @@ def measure_e2e(reactor, args, run_dir):
         yield task.deferLater(reactor, 2.0, lambda: None)  # warm up
         for producer in producers:
             producer.measuring = True
+        pids = {"client process": os.getpid(), "server": server.pid}
+        pids.update(("storage%d" % i, storage.pid) for i, storage in enumerate(cluster.storages))
+        first_cpu = cpu_snapshot(pids)
         first_committed = sum(p.committed for p in producers)
         first_fed = consumer_state.applied
         started = now()
         yield task.deferLater(reactor, args.seconds, lambda: None)
         elapsed = now() - started
         committed = sum(p.committed for p in producers) - first_committed
+        if args.cpu:
+            last_cpu = cpu_snapshot(pids)
+            for name in pids:
+                user, system = (1000 * (last - first) / max(committed, 1)
+                                for first, last in zip(first_cpu[name], last_cpu[name]))
+                print("cpu %-14s %6.3f ms/transaction (user %.3f, system %.3f)"
+                      % (name, user + system, user, system))
         fed = consumer_state.applied - first_fed
         for producer in producers:
             producer.running = False
@@ -171,6 +194,7 @@ def main(argv=None):
     p.add_argument("--inflight", type=int, default=50,
                    help="outstanding transactions per producer (client.maxConcurrentTransactions)")
     p.add_argument("--no-limit", action="store_true", help="skip the limit run (for profiling)")
+    p.add_argument("--cpu", action="store_true", help="print CPU milliseconds per transaction of each process")
     p.add_argument("--server-metrics", action="store_true", help="print the server's metrics after the run")
     args = p.parse_args(argv)
 

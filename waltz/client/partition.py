@@ -75,10 +75,27 @@ class _FeedItem:
     req_id = attr.ib()
     transaction_id = attr.ib()
     header = attr.ib()
-    #: Fires once applied (the stream protocol's back pressure waits on it); never fails.
-    done = attr.ib(factory=defer.Deferred)
     detected = attr.ib(default=False)
     submission = attr.ib(default=None)
+    #: True once applied (or dropped).
+    finished = attr.ib(default=False)
+    #: The Deferred of :meth:`when_finished`, made only when asked for: almost every item is applied
+    #: as soon as it arrives, and one Deferred per item (per client) would cost more than the apply.
+    _done = attr.ib(default=None)
+
+    def when_finished(self):
+        """None when already finished, else a Deferred firing once it is (never failing): the
+        stream protocol's back pressure waits on it."""
+        if self.finished:
+            return None
+        if self._done is None:
+            self._done = defer.Deferred()
+        return self._done
+
+    def finish(self):
+        self.finished = True
+        if self._done is not None and not self._done.called:
+            self._done.callback(None)
 
 
 @attr.s(slots=True, frozen=True)
@@ -227,8 +244,10 @@ class ClientPartition:
         self._finish_deactivation()
 
     def _finish_deactivation(self):
+        if self.wanted:     # checked first: this runs after every settlement
+            return
         settled = not (len(self.monitor) or self._building)
-        if self.wanted or not settled or self.state in (PartitionState.INACTIVE, PartitionState.CLOSED):
+        if not settled or self.state in (PartitionState.INACTIVE, PartitionState.CLOSED):
             return
         self._cancel("mount")
         self._cancel("activate")
@@ -335,7 +354,7 @@ class ClientPartition:
         item = _FeedItem(message.req_id, txn, message.header)
         self._feed.append(item)
         self._drain()
-        return None if item.done.called else item.done
+        return item.when_finished()
 
     def _on_feed_suspended(self, message):
         self.stream.send(m.FeedRequest(message.req_id, self.received_hwm))
@@ -399,8 +418,17 @@ class ClientPartition:
             if item.submission is not None:
                 item.submission.committed(item.transaction_id)
         transaction = Transaction(self.partition_id, item.transaction_id, item.header, item.req_id, self)
-        d = defer.maybeDeferred(self._callbacks.apply_transaction, transaction)
-        d.addCallbacks(self._applied, self._apply_failed, callbackArgs=(item,), errbackArgs=(item,))
+        # Called directly rather than through maybeDeferred: the usual apply is synchronous, and
+        # two Deferreds per item per client were a large share of the client's CPU per transaction.
+        try:
+            result = self._callbacks.apply_transaction(transaction)
+        except Exception:
+            self._apply_failed(Failure(), item)
+            return
+        if isinstance(result, defer.Deferred):
+            result.addCallbacks(self._applied, self._apply_failed, callbackArgs=(item,), errbackArgs=(item,))
+        else:
+            self._applied(result, item)
 
     def _applied(self, _, item):
         if self.state is PartitionState.CLOSED or not self._feed or self._feed[0] is not item:
@@ -411,10 +439,12 @@ class ClientPartition:
         self.applied_hwm = item.transaction_id
         if item.submission is not None:
             item.submission.applied()
-        item.done.callback(None)
+        item.finish()
         self._gates.release(self.applied_hwm)
         self._release_apply_waiters()
-        self._after_settlement()
+        self._finish_deactivation()
+        # _drain pumps once it has applied all it can (not once per item: a pump costs more than
+        # a synchronous apply, and retries released above start with a higher high-water mark).
         self._drain()
 
     def _apply_failed(self, failure, item):
@@ -445,8 +475,8 @@ class ClientPartition:
     def _drop_feed(self):
         """Forget feed items not applied yet (the partition stops being applied)."""
         for event in self._feed:
-            if isinstance(event, _FeedItem) and not event.done.called:
-                event.done.callback(None)
+            if isinstance(event, _FeedItem):
+                event.finish()
         self._feed.clear()
         self._applying = False
         self._cancel("apply")
