@@ -19,8 +19,16 @@ as_root() {
     echo "bootstrap: need root to run: $*" >&2; exit 1; fi
 }
 
+java_major() {
+  java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -n 1
+}
+
 apt_packages=()
 command -v java >/dev/null 2>&1 || apt_packages+=(default-jre-headless)
+# Spark 4 needs Java 17 or later (Debian 12's default-jre-headless is 17).
+if [ "$EXTRAS" = "test,spark" ] && command -v java >/dev/null 2>&1 && [ "$(java_major)" -lt 17 ] 2>/dev/null; then
+  apt_packages+=(openjdk-17-jre-headless)
+fi
 [ -f /usr/share/java/zookeeper.jar ] || apt_packages+=(zookeeper)
 if [ ${#apt_packages[@]} -gt 0 ]; then
   echo "bootstrap: installing Debian packages: ${apt_packages[*]}"

@@ -203,6 +203,11 @@ class FakeServer(Factory):
         else:
             proto.sendMessage(m.TransactionDataResponse.success(message.req_id, txn, record.data))
 
+    def on_TransactionDataBatchRequest(self, proto, message):
+        records = self.logs[message.req_id.partition_id].records
+        proto.sendMessage(m.TransactionDataBatchResponse.success(
+            message.req_id, [records[txn] for txn in message.transaction_ids]))
+
 
 # --- network -------------------------------------------------------------------------------------
 

@@ -136,7 +136,7 @@ def test_overlong_body_names_the_message():
         L.CLIENT_CODEC.decode(data, 4)
 
 
-@pytest.mark.parametrize("codec,code", [(L.CLIENT_CODEC, 23), (L.CLIENT_CODEC, 255),
+@pytest.mark.parametrize("codec,code", [(L.CLIENT_CODEC, 25), (L.CLIENT_CODEC, 255),
                                         (S.STORAGE_CODEC, 0), (S.STORAGE_CODEC, 19),
                                         (A.ADMIN_CODEC, 0), (A.ADMIN_CODEC, 16)],
                          ids=lambda v: getattr(v, "family", v))

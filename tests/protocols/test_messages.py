@@ -114,6 +114,9 @@ def versions_of(codec, spec):
 
 EXAMPLES = [
     L.MountRequest(RID, 100, 3),
+    L.TransactionDataBatchRequest(RID, [12, 13]),
+    L.TransactionDataBatchResponse.success(RID, [Record.create(12, RID, 3, b"data")]),
+    L.TransactionDataBatchResponse.failure(RID, "gone"),
     L.MountResponse(RID, L.MountState.CLIENT_AHEAD),
     L.AppendRequest.create(RID, 99, 7, b"payload", write_locks=[1, 2], read_locks=[3],
                            append_locks=[4, 5, 6]),
@@ -211,12 +214,12 @@ def test_arbitrary_field_values_round_trip(codec, spec):
 
 
 def test_family_tables_match_the_reference_codes():
-    assert [s.code for s in L.CLIENT_CODEC.specs] == list(range(23))
+    assert [s.code for s in L.CLIENT_CODEC.specs] == list(range(25))
     assert [s.code for s in S.STORAGE_CODEC.specs] == list(range(1, 19))
     assert [s.code for s in A.ADMIN_CODEC.specs] == list(range(1, 16))
     assert (L.CLIENT_CODEC.magic, S.STORAGE_CODEC.magic, A.ADMIN_CODEC.magic) == (b"L", b"S", b"A")
     assert (L.CLIENT_CODEC.versions, S.STORAGE_CODEC.versions, A.ADMIN_CODEC.versions) == (
-        (3, 4), (0,), (0,))
+        (3, 4, 5), (0,), (0,))
     assert L.CLIENT_CODEC.supports(L.PartitionsHealthResponse, 4)
     assert not L.CLIENT_CODEC.supports(L.PartitionsHealthResponse, 3)
     assert L.CLIENT_CODEC.supports(L.AppendRequest, 3)

@@ -104,7 +104,7 @@ def test_a_whole_client_session_over_real_frames():
     stream, server, _ = cluster.connect()
     rpc, _, _ = cluster.connect()
     cluster.flush()
-    assert stream.version == 4 and server.version == 4
+    assert stream.version == 5 and server.version == 5
     assert cluster.factory.connections == {server, cluster.factory.connections.difference({server}).pop()}
 
     # Mount at client hwm 0: transaction 1 is streamed, then READY.

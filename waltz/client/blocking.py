@@ -119,6 +119,24 @@ class ThreadedCallbacks:
         self._pool.stop()
 
 
+@implementer(IWaltzClientCallbacks)
+class ReadOnlyCallbacks:
+    """Callbacks of a client that only reads ranges (``read_transactions``) and never mounts: it has
+    applied nothing and applies nothing."""
+
+    runs_on_reactor = True
+
+    def get_client_high_water_mark(self, partition_id):
+        return -1
+
+    def apply_transaction(self, transaction):
+        raise RuntimeError("a read-only client does not apply transactions (partition %d transaction %d)"
+                           % (transaction.partition_id, transaction.transaction_id))
+
+    def uncaught_exception(self, partition_id, transaction_id, exception):
+        """Nothing: the client logs it."""
+
+
 class BlockingWaltzClient:
     """Blocking calls on a :class:`WaltzClient` running on the reactor (see the module docstring).
 
@@ -142,6 +160,14 @@ class BlockingWaltzClient:
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def for_reading(cls, config, reactor=None, *, timeout=60.0):
+        """A client for reading ranges only (Spark executors, tools): ``client.autoMount`` off, so it mounts
+        no partition and applies nothing; ``config`` is a mapping of config keys."""
+        config = dict(config)
+        config["client.autoMount"] = False
+        return cls(ReadOnlyCallbacks(), config, reactor, timeout=timeout)
 
     def _call(self, function, *args, **kwargs):
         return call_blocking(self._reactor, function, *args, timeout=self.timeout, **kwargs)
@@ -175,10 +201,11 @@ class BlockingWaltzClient:
     def get_transaction_data(self, partition_id, transaction_id) -> bytes:
         return self._call(self.client.get_transaction_data, partition_id, transaction_id)
 
-    def read_transactions(self, partition_id, start, end=None, headers=None, include_data=True):
+    def read_transactions(self, partition_id, start, end=None, headers=None, include_data=True, committed=False):
         """The :class:`~waltz.client.api.TransactionRecord` list of ``start..end`` (see
         ``WaltzClient.read_transactions``)."""
-        return self._call(self.client.read_transactions, partition_id, start, end, headers, include_data)
+        return self._call(self.client.read_transactions, partition_id, start, end, headers, include_data,
+                          committed)
 
     def set_partitions(self, partition_ids):
         return self._call(self.client.set_partitions, partition_ids)

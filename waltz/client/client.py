@@ -323,26 +323,30 @@ class WaltzClient:
         """The :class:`~waltz.client.partition.PartitionState` of a partition."""
         return self._partition(partition_id).state
 
-    def read_transactions(self, partition_id, start, end=None, headers=None, include_data=True):
+    def read_transactions(self, partition_id, start, end=None, headers=None, include_data=True, committed=False):
         """Fires with the :class:`~waltz.client.api.TransactionRecord` list of transactions
         ``start..end`` of a partition (``end`` None: up to its high-water mark when the read mounts),
-        only those whose header is in ``headers`` when given, with their data when ``include_data``.
-        Reads of one partition run one at a time."""
+        only those whose header is in ``headers`` when given, with their data when ``include_data``
+        (fetched in batches, every checksum verified: see :mod:`waltz.client.reader`; the server must
+        speak protocol version 5). ``committed=True`` says ``start..end`` is known to be committed (planned
+        from ``high_water_marks()``): an unfiltered read with data then skips the feed, and a transaction
+        beyond the log fails the read instead of being waited for. Reads of one partition run one at a
+        time."""
         try:
             self._partition(partition_id)
         except Exception:
             return defer.fail()
         lock = self._read_locks.setdefault(partition_id, defer.DeferredLock())
-        return lock.run(self._read, partition_id, start, end, headers, include_data)
+        return lock.run(self._read, partition_id, start, end, headers, include_data, committed)
 
     @defer.inlineCallbacks
-    def _read(self, partition_id, start, end, headers, include_data):
+    def _read(self, partition_id, start, end, headers, include_data, committed):
         client_id = yield self._reader_id()
-        partition = self._partition(partition_id)
+        self._partition(partition_id)
         read = FeedRead(partition_id, client_id, start, end, headers, include_data,
-                        locate=lambda: self._locate(partition_id), fetch_data=partition.fetch_data,
+                        locate=lambda: self._locate(partition_id),
                         connector=self._connector, reactor=self._reactor, settings=self.settings,
-                        seq_numbers=self._seq_numbers)
+                        seq_numbers=self._seq_numbers, committed=committed)
         self._reads.add(read)
         try:
             records = yield read.run()

@@ -2,31 +2,64 @@
 
 A :class:`FeedRead` mounts the partition at ``start - 1`` on a stream connection of
 its own, under a client id of its own (so it never displaces the client's mount of
-the same partition), takes the feed up to ``end``, and fetches the data of the
-transactions it keeps over the client's RPC connection, many requests in flight
-(``client.maxDataRequestsInFlight``). It is what the Spark data source uses on its
-executors. If the connection drops, it reconnects and mounts again after the last
-transaction it received; NOT_READY is retried after ``client.mountRetryInterval``,
+the same partition), and takes the feed up to ``end``. The feed brings each
+transaction's header, so a header filter drops transactions before any of their
+data is fetched. The data of the transactions it keeps is fetched on the same
+connection with batched requests (``TransactionDataBatchRequest``, protocol
+version 5): up to :data:`DATA_BATCH_SIZE` transaction ids per request and up to
+``client.maxDataRequestsInFlight`` requests outstanding, sent while the feed is
+still arriving. A read of a range its caller knows is committed (``committed=True``:
+``end`` at most the high-water mark, as when planned from ``high_water_marks()``)
+that keeps every transaction with its data needs nothing from the feed: it skips the
+mount and asks for the records of ``start..end`` directly, since a batch response
+carries each record's header and request id as well (a transaction beyond the log
+then fails the read instead of being waited for). Every record that comes back is checked against the feed (id,
+header, request id) and against its CRC32C; a record whose checksum does not
+match is fetched again up to ``client.maxDataFetchRetries`` times, then the read
+fails with :class:`~waltz.client.errors.DataChecksumError`. A gap in the feed fails
+the read with :class:`~waltz.client.errors.ReadError`, a transaction the server
+cannot read fails it with :class:`~waltz.client.errors.TransactionDataError`
+naming the transaction: nothing is ever skipped.
+It is what the Spark data source uses on its executors.
+
+If the connection drops, it reconnects, mounts again after the last transaction it
+received and sends the unanswered data requests again; NOT_READY (and a data
+request answered "not served here") is retried after ``client.mountRetryInterval``,
 following the partition if it moved.
 
 Read states: ``CONNECTING`` → ``MOUNTING`` → ``FEEDING`` → ``FINISHING`` (waiting for data) → ``DONE``
-(or ``FAILED``).
+(or ``FAILED``); without the feed ``CONNECTING`` → ``FINISHING`` → ``DONE``.
 """
 
+import collections
 import enum
 import itertools
 
+import attr
 from twisted.internet import defer
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 
 from waltz.client.api import TransactionRecord
-from waltz.client.errors import ReadError
+from waltz.client.errors import DataChecksumError, ReadError, TransactionDataError
 from waltz.client.network import Backoff, ManagedConnection
 from waltz.protocols import client_messages as m
 from waltz.protocols.values import ReqId
 
 log = Logger()
+
+#: Transaction ids named by one batched data request.
+DATA_BATCH_SIZE = 1000
+
+#: How a server that does not serve the partition answers (see ``waltz.client.partition.NOT_SERVED_MARK``).
+_NOT_SERVED = "is not served here"
+
+
+@attr.s(slots=True)
+class _DataBatch:
+    """Indexes (into the read's records) whose data one batched request asks for."""
+
+    indexes = attr.ib()
+    bad_checksums = attr.ib(default=0)
 
 
 class ReadState(enum.Enum):
@@ -41,12 +74,12 @@ class ReadState(enum.Enum):
 class FeedRead:
     """One ``read_transactions(partition, start, end, headers, include_data)`` call.
 
-    ``locate()`` fires with the partition's current ``PartitionLocation``; ``fetch_data(txn)``
-    fetches data; ``seq_numbers`` is the client's network-client sequence.
+    ``locate()`` fires with the partition's current ``PartitionLocation``; ``seq_numbers`` is the
+    client's network-client sequence.
     """
 
-    def __init__(self, partition_id, client_id, start, end, headers, include_data, *, locate, fetch_data,
-                 connector, reactor, settings, seq_numbers):
+    def __init__(self, partition_id, client_id, start, end, headers, include_data, *, locate,
+                 connector, reactor, settings, seq_numbers, committed=False):
         if start < 0:
             raise ValueError("start must be a transaction id >= 0, got %d" % start)
         if end is not None and end < start - 1:
@@ -57,18 +90,21 @@ class FeedRead:
         self.end = end
         self.headers = None if headers is None else frozenset(headers)
         self.include_data = include_data
+        #: Records straight from batched requests, without the feed (see the module docstring).
+        self.feedless = committed and self.headers is None and include_data and end is not None
+        self._planned = False
         self._locate = locate
-        self._fetch_data = fetch_data
         self._connector = connector
         self._reactor = reactor
         self._settings = settings
         self._seq_numbers = seq_numbers
         self._req_seq = itertools.count(1)
-        self._semaphore = defer.DeferredSemaphore(settings.max_data_requests_in_flight)
         self.state = ReadState.CONNECTING
         self.last_received = start - 1
         self._records = []
-        self._fetches = []
+        self._unbatched = []                    # indexes of kept records not yet in a batch
+        self._batches = collections.deque()     # batches waiting to be sent
+        self._in_flight = {}                    # req id -> batch sent on the current connection
         self._location = None
         self._conn = None
         self._mount_req_id = None
@@ -99,11 +135,28 @@ class FeedRead:
         self._conn.start()
 
     def connection_ready(self, conn):
-        if conn is self._conn and self.state in (ReadState.CONNECTING, ReadState.MOUNTING, ReadState.FEEDING):
+        if conn is not self._conn:
+            return
+        if self.feedless:
+            self._plan_range()
+        elif self.state in (ReadState.CONNECTING, ReadState.MOUNTING, ReadState.FEEDING):
             self._mount()
+        self._send_batches()
+
+    def _plan_range(self):
+        """Without the feed: every transaction of ``start..end`` is to be fetched."""
+        if not self._planned:
+            self._planned = True
+            self._records = [None] * (self.end - self.start + 1)
+            self._unbatched = list(range(len(self._records)))
+            self._batch_unbatched()
+        self._set_state(ReadState.FINISHING)
 
     def connection_lost(self, conn):
-        if conn is self._conn and self.state in (ReadState.MOUNTING, ReadState.FEEDING):
+        if conn is not self._conn:
+            return
+        self._requeue_in_flight()
+        if self.state in (ReadState.MOUNTING, ReadState.FEEDING):
             self._set_state(ReadState.CONNECTING)  # the connection reconnects by itself
 
     def _mount(self):
@@ -119,6 +172,7 @@ class FeedRead:
         self._retry_call = self._reactor.callLater(self._settings.mount_retry_interval, self._connect)
 
     def _close_connection(self):
+        self._requeue_in_flight()
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -126,7 +180,13 @@ class FeedRead:
     # --- messages ------------------------------------------------------------------------------
 
     def connection_message(self, conn, message):
-        if conn is not self._conn or self.state not in (ReadState.MOUNTING, ReadState.FEEDING):
+        if conn is not self._conn:
+            return None
+        if isinstance(message, m.TransactionDataBatchResponse):
+            if self.state in (ReadState.MOUNTING, ReadState.FEEDING, ReadState.FINISHING):
+                self._batch_response(message)
+            return None
+        if self.state not in (ReadState.MOUNTING, ReadState.FEEDING):
             return None
         if isinstance(message, m.FeedData):
             self._feed_data(message)
@@ -138,7 +198,11 @@ class FeedRead:
 
     def _feed_data(self, message):
         txn = message.transaction_id
-        if txn != self.last_received + 1 or (self.end is not None and txn > self.end):
+        if txn <= self.last_received or (self.end is not None and txn > self.end):
+            return  # a repeat after a remount, or beyond the range
+        if txn != self.last_received + 1:
+            self._fail(ReadError("partition %d: the feed went from transaction %d to %d; transactions are missing"
+                                 % (self.partition_id, self.last_received, txn)))
             return
         self.last_received = txn
         if self.headers is None or message.header in self.headers:
@@ -147,17 +211,101 @@ class FeedRead:
             self._finish()
 
     def _keep(self, record):
-        index = len(self._records)
         self._records.append(record)
         if self.include_data:
-            d = self._semaphore.run(self._fetch_data, record.transaction_id)
-            d.addCallback(self._data_arrived, index)
-            self._fetches.append(d)
+            self._unbatched.append(len(self._records) - 1)
+            if len(self._unbatched) >= DATA_BATCH_SIZE:
+                self._batch_unbatched()
 
-    def _data_arrived(self, data, index):
-        record = self._records[index]
-        self._records[index] = TransactionRecord(record.partition_id, record.transaction_id, record.header,
-                                                 record.req_id, data)
+    # --- batched data requests ---------------------------------------------------------------------
+
+    def _batch_unbatched(self):
+        for first in range(0, len(self._unbatched), DATA_BATCH_SIZE):
+            self._batches.append(_DataBatch(self._unbatched[first:first + DATA_BATCH_SIZE]))
+        self._unbatched = []
+        self._send_batches()
+
+    def _send_batches(self):
+        conn = self._conn
+        while (self._batches and conn is not None and conn.ready
+               and len(self._in_flight) < self._settings.max_data_requests_in_flight):
+            batch = self._batches.popleft()
+            req_id = ReqId(self.client_id, self._location.generation, self.partition_id, next(self._req_seq))
+            self._in_flight[req_id] = batch
+            ids = [self._txn_at(index) for index in batch.indexes]
+            conn.send(m.TransactionDataBatchRequest(req_id, ids))
+
+    def _requeue_in_flight(self):
+        """The connection is gone: its unanswered requests go back to the front of the queue."""
+        batches = list(self._in_flight.values())
+        self._in_flight.clear()
+        self._batches.extendleft(reversed(batches))
+
+    def _batch_response(self, message):
+        batch = self._in_flight.pop(message.req_id, None)
+        if batch is None:
+            return
+        if not message.ok:
+            self._batch_refused(batch, message.error)
+            return
+        try:
+            rest = self._fill(batch, message.records)
+        except Exception as exc:
+            self._fail(exc)
+            return
+        if rest is not None:
+            self._batches.appendleft(rest)
+        self._send_batches()
+        self._check_done()
+
+    def _batch_refused(self, batch, error):
+        self._batches.appendleft(batch)
+        if error and _NOT_SERVED in error:
+            log.info("partition {pid}: data request answered {error!r}; looking the partition up again",
+                     pid=self.partition_id, error=error)
+            self._remount_later()
+        else:
+            self._fail(TransactionDataError("partition %d: %s" % (self.partition_id, error)))
+
+    def _txn_at(self, index):
+        kept = self._records[index]
+        return self.start + index if kept is None else kept.transaction_id
+
+    def _fill(self, batch, records):
+        """Put ``records`` (for a prefix of the batch) into the read's records, checking each one against
+        the feed and its checksum; returns the batch of what is still to fetch (None when nothing is)."""
+        if not records:
+            raise TransactionDataError("partition %d: the server returned no record for transaction %d"
+                                       % (self.partition_id, self._txn_at(batch.indexes[0])))
+        for position, record in enumerate(records[:len(batch.indexes)]):
+            index = batch.indexes[position]
+            self._check_matches(index, record)
+            if not record.is_valid():
+                return self._bad_checksum(_DataBatch(batch.indexes[position:], batch.bad_checksums + 1))
+            self._records[index] = TransactionRecord(self.partition_id, record.transaction_id, record.header,
+                                                     record.req_id, record.data)
+        rest = batch.indexes[len(records):]
+        return _DataBatch(rest, batch.bad_checksums) if rest else None
+
+    def _check_matches(self, index, record):
+        kept = self._records[index]
+        if kept is None:
+            matches = record.transaction_id == self.start + index
+        else:
+            matches = (record.transaction_id == kept.transaction_id and record.header == kept.header
+                       and record.req_id == kept.req_id)
+        if not matches:
+            raise ReadError("partition %d transaction %d: the server returned %r, which does not match the feed"
+                            % (self.partition_id, self._txn_at(index), record.record_header))
+
+    def _bad_checksum(self, batch):
+        txn = self._txn_at(batch.indexes[0])
+        if batch.bad_checksums > self._settings.max_data_fetch_retries:
+            raise DataChecksumError("partition %d transaction %d: data failed its checksum %d times"
+                                    % (self.partition_id, txn, batch.bad_checksums))
+        log.warn("partition {pid}: transaction {txn} data failed its checksum; fetching again ({n})",
+                 pid=self.partition_id, txn=txn, n=batch.bad_checksums)
+        return batch
 
     def _mount_response(self, state):
         if state is m.MountState.READY:
@@ -178,20 +326,18 @@ class FeedRead:
 
     def _finish(self):
         self._set_state(ReadState.FINISHING)
-        self._close_connection()
-        d = defer.gatherResults(self._fetches, consumeErrors=True)
-        d.addCallbacks(self._done, self._fail)
+        self._batch_unbatched()
+        self._check_done()
 
-    def _done(self, _):
-        if self.state is ReadState.FINISHING:
+    def _check_done(self):
+        if self.state is ReadState.FINISHING and not (self._batches or self._in_flight or self._unbatched):
+            self._close_connection()
             self._set_state(ReadState.DONE)
             self._result.callback(list(self._records))
 
     def _fail(self, reason):
         if self.state in (ReadState.DONE, ReadState.FAILED):
             return
-        if isinstance(reason, Failure) and reason.check(defer.FirstError):
-            reason = reason.value.subFailure
         self._set_state(ReadState.FAILED)
         self.cancel_timers()
         self._close_connection()

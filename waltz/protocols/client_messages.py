@@ -1,4 +1,4 @@
-"""Client-server messages (frame magic ``L``, versions 3 and 4).
+"""Client-server messages (frame magic ``L``, versions 3, 4 and 5).
 
 Every payload is ``type u8 | ReqId (16 bytes) | body``; the ReqId is the
 :attr:`ClientMessage.req_id` field of every message. Type codes follow the
@@ -10,6 +10,12 @@ decoding an :class:`AppendRequest` or a successful :class:`TransactionDataRespon
 verifies it and raises :class:`~waltz.protocols.errors.ChecksumError` on a mismatch.
 Use :meth:`AppendRequest.create` and :meth:`TransactionDataResponse.success` to
 build them without computing the checksum by hand.
+
+Version 5 is this project's addition: version 4 plus the batched transaction-data
+request (codes 23 and 24) that bulk readers such as the Spark data source use. A
+:class:`TransactionDataBatchResponse` carries whole :class:`~waltz.protocols.values.Record`
+values, whose checksums the decoder does not verify: the reader checks each one and
+fetches again what fails (see ``waltz.client.reader``).
 """
 
 import enum
@@ -17,12 +23,12 @@ import enum
 import attr
 
 from waltz.protocols.codec import (
-    BOOL, BYTES, I32, I64, INT_LIST, OPT_STRING, REQ_ID, STRING, EnumOf, ListOf, MessageCodec,
+    BOOL, BYTES, I32, I64, INT_LIST, OPT_STRING, RECORD, REQ_ID, STRING, EnumOf, ListOf, MessageCodec,
     PairOf, wire)
 from waltz.protocols.values import ReqId, checksum
 
 #: Protocol versions of family ``L`` this implementation speaks (the original's V3 and V4 layouts).
-VERSIONS = (3, 4)
+VERSIONS = (3, 4, 5)
 
 
 class MountState(enum.IntEnum):
@@ -259,6 +265,43 @@ class PartitionsHealthResponse(ClientMessage):
     partition_health: tuple = wire(ListOf(PairOf(I32, BOOL)))
 
 
+@_message
+class TransactionDataBatchRequest(ClientMessage):
+    """Fetch the records of several transactions at once (version 5, this project's addition).
+
+    The answer is a :class:`TransactionDataBatchResponse` with the records of a prefix of
+    ``transaction_ids``, in the same order; the server may stop early to bound the
+    response's size, and the client asks again for the rest.
+    """
+
+    TYPE = 23
+    MIN_VERSION = 5
+    transaction_ids: tuple = wire(ListOf(I64))
+
+
+@_message
+class TransactionDataBatchResponse(ClientMessage):
+    """The records of a prefix (at least one) of a batch request's transaction ids when ``ok``,
+    otherwise the error naming the transaction that could not be read (version 5).
+
+    Build with :meth:`success` or :meth:`failure`. Record checksums are not verified on decode.
+    """
+
+    TYPE = 24
+    MIN_VERSION = 5
+    ok: bool = wire(BOOL)
+    records: tuple = wire(ListOf(RECORD), only_if="ok")
+    error: str = wire(OPT_STRING, only_if_not="ok")
+
+    @classmethod
+    def success(cls, req_id: ReqId, records) -> "TransactionDataBatchResponse":
+        return cls(req_id, True, tuple(records))
+
+    @classmethod
+    def failure(cls, req_id: ReqId, error: str) -> "TransactionDataBatchResponse":
+        return cls(req_id, False, error=error)
+
+
 MESSAGE_CLASSES = (
     MountRequest, MountResponse, AppendRequest, FeedRequest, FeedData, FeedSuspended,
     TransactionDataRequest, TransactionDataResponse, FlushRequest, FlushResponse, LockFailure,
@@ -267,6 +310,7 @@ MESSAGE_CLASSES = (
     ServerPartitionsAssignmentResponse, AddPreferredPartitionRequest,
     AddPreferredPartitionResponse, RemovePreferredPartitionRequest,
     RemovePreferredPartitionResponse, PartitionsHealthRequest, PartitionsHealthResponse,
+    TransactionDataBatchRequest, TransactionDataBatchResponse,
 )
 
 #: The codec of family ``L``.

@@ -54,8 +54,8 @@ from zope.interface import Attribute, Interface
 from waltz.metrics import Registry
 from waltz.protocols.client_messages import (
     AppendRequest, FeedRequest, FeedSuspended, FlushRequest, FlushResponse, HighWaterMarkRequest,
-    HighWaterMarkResponse, LockFailure, MountRequest, MountResponse, MountState, TransactionDataRequest,
-    TransactionDataResponse)
+    HighWaterMarkResponse, LockFailure, MountRequest, MountResponse, MountState, TransactionDataBatchRequest,
+    TransactionDataBatchResponse, TransactionDataRequest, TransactionDataResponse)
 from waltz.protocols.values import RecordHeader
 from waltz.server.caches import HEADER_BYTES, FeedCache, TransactionDataCache
 from waltz.server.feed import FeedContext, FeedScheduler
@@ -164,6 +164,9 @@ class PartitionMetrics:
             "waltz_server_feed_items_total", "FEED_DATA messages sent", ("partition",))
         self.mounts = registry.counter(
             "waltz_server_mounts_total", "mount responses sent", ("partition", "state"))
+        self.data_served = registry.counter(
+            "waltz_server_transaction_data_served_total",
+            "transactions whose data was sent to a client (single and batched requests)", ("partition",))
         self.cache_lookups = registry.counter(
             "waltz_server_cache_lookups_total",
             "cache lookups: transaction data requests, and feed items (a miss was read from storage)",
@@ -196,6 +199,73 @@ class _QueuedAppend:
 @attr.s(slots=True, eq=False)
 class _Barrier:
     deferred = attr.ib(factory=defer.Deferred)
+
+
+#: Most transaction ids one TransactionDataBatchRequest may name.
+MAX_BATCH_TRANSACTIONS = 10_000
+#: Data bytes after which a batch response stops (it always carries at least one record).
+MAX_BATCH_RESPONSE_BYTES = 4 * 1024 * 1024
+
+
+class BatchReadError(Exception):
+    """A transaction of a batch request is missing or damaged in the store."""
+
+
+def batch_request_problem(ids, partition_id, high_water_mark):
+    """Why a batch request for ``ids`` cannot be served (None when it can)."""
+    if not ids:
+        return "a batch request must name at least one transaction"
+    if len(ids) > MAX_BATCH_TRANSACTIONS:
+        return "a batch request may name at most %d transactions, not %d" % (MAX_BATCH_TRANSACTIONS, len(ids))
+    if ids[0] < 0 or any(b <= a for a, b in zip(ids, ids[1:])):
+        return "a batch request's transaction ids must be increasing and not negative"
+    if ids[-1] > high_water_mark:
+        return "transaction %d of partition %d is not committed (high-water mark %d)" % (
+            ids[-1], partition_id, high_water_mark)
+    return None
+
+
+def id_runs(ids):
+    """``[(first, count), ...]``: the runs of consecutive ids in increasing ``ids``."""
+    runs = []
+    for txn in ids:
+        if runs and runs[-1][0] + runs[-1][1] == txn:
+            runs[-1][1] += 1
+        else:
+            runs.append([txn, 1])
+    return [tuple(run) for run in runs]
+
+
+def check_record(record, expected, partition_id):
+    """``record`` if it is transaction ``expected`` with matching checksum, else :class:`BatchReadError`."""
+    if record.transaction_id != expected:
+        raise BatchReadError("partition %d: storage returned transaction %d for %d"
+                             % (partition_id, record.transaction_id, expected))
+    if not record.is_valid():
+        raise BatchReadError("transaction %d of partition %d failed its checksum in storage"
+                             % (expected, partition_id))
+    return record
+
+
+@defer.inlineCallbacks
+def read_record_batch(store, ids, partition_id, max_bytes):
+    """Fires with the checked records of a prefix of ``ids`` (all of them, unless their data passes
+    ``max_bytes``), read with ``store.get_records`` one run of consecutive ids at a time."""
+    records, size = [], 0
+    for first, count in id_runs(ids):
+        while count > 0 and size < max_bytes:
+            got = yield store.get_records(first, count)
+            if not got:
+                raise BatchReadError("transaction %d of partition %d is missing from the store"
+                                     % (first, partition_id))
+            for record in got[:count]:
+                records.append(check_record(record, first, partition_id))
+                size += len(record.data)
+                first += 1
+                count -= 1
+        if size >= max_bytes:
+            break
+    return records
 
 
 def _mount_key(request: MountRequest) -> tuple:
@@ -341,6 +411,7 @@ class ServerPartition:
         FlushRequest: "_flush",
         HighWaterMarkRequest: "_high_water_mark",
         TransactionDataRequest: "_transaction_data",
+        TransactionDataBatchRequest: "_transaction_data_batch",
     }
 
     def handle(self, connection, message):
@@ -461,6 +532,7 @@ class ServerPartition:
         cached = self.data_cache.get(self.partition_id, txn)
         self.metrics.cache_lookups.inc(1, "transaction-data", "hit" if cached is not None else "miss")
         if cached is not None:
+            self.metrics.data_served.inc(1, self.partition_id)
             connection.sendMessage(TransactionDataResponse(request.req_id, txn, True, cached.data, cached.checksum))
             return None
         d = defer.maybeDeferred(self.store.get_record, txn)
@@ -479,6 +551,7 @@ class ServerPartition:
             error = "transaction %d of partition %d failed its checksum in storage" % (txn, self.partition_id)
         else:
             self.data_cache.put(self.partition_id, txn, record.data, record.checksum)
+            self.metrics.data_served.inc(1, self.partition_id)
             connection.sendMessage(TransactionDataResponse(request.req_id, txn, True, record.data, record.checksum))
             return
         self.log.warn("{error}", error=error)
@@ -489,6 +562,34 @@ class ServerPartition:
             request.transaction_id, self.partition_id, failure.getErrorMessage())
         self.log.warn("{error}", error=error)
         connection.sendMessage(TransactionDataResponse.failure(request.req_id, request.transaction_id, error))
+
+    def _transaction_data_batch(self, connection, request):
+        """Version 5: the records of a prefix of ``request.transaction_ids``, read from the store in
+        runs of consecutive ids (the data cache holds no headers, so it is not used), every record
+        checked; any missing or damaged record fails the whole request, naming the transaction."""
+        ids = request.transaction_ids
+        if self.state is PartitionState.CLOSED:
+            error = "partition %d is not served here" % self.partition_id
+        else:
+            error = batch_request_problem(ids, self.partition_id, self.high_water_mark)
+        if error is not None:
+            connection.sendMessage(TransactionDataBatchResponse.failure(request.req_id, error))
+            return None
+        d = read_record_batch(self.store, ids, self.partition_id, MAX_BATCH_RESPONSE_BYTES)
+        d.addCallback(self._batch_read, connection, request)
+        d.addErrback(self._batch_failed, connection, request)
+        return d
+
+    def _batch_read(self, records, connection, request):
+        self.metrics.data_served.inc(len(records), self.partition_id)
+        connection.sendMessage(TransactionDataBatchResponse.success(request.req_id, records))
+
+    def _batch_failed(self, failure, connection, request):
+        error = failure.getErrorMessage()
+        if not failure.check(BatchReadError):
+            error = "reading transactions of partition %d failed: %s" % (self.partition_id, error)
+        self.log.warn("{error}", error=error)
+        connection.sendMessage(TransactionDataBatchResponse.failure(request.req_id, error))
 
     # -- appends --------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ connection for transaction data). It dispatches each message through a table:
   transaction data) go to ``registry.partition(req_id.partition_id)``'s
   :meth:`~waltz.server.partition.ServerPartition.handle`. When the registry
   has no such partition a mount is answered ``MountResponse(NOT_READY)`` and a
-  transaction data request with a failure; the others are dropped (the
+  transaction data request (single or batched) with a failure; the others are dropped (the
   client re-mounts elsewhere);
 * server messages (storage connectivity, partition assignment, preferred
   partitions, partitions health) are answered from ``registry.server_info()``;
@@ -44,6 +44,8 @@ NOT_SERVED = {
     cm.MountRequest: lambda m: cm.MountResponse(m.req_id, cm.MountState.NOT_READY),
     cm.TransactionDataRequest: lambda m: cm.TransactionDataResponse.failure(
         m.req_id, m.transaction_id, "partition %d is not served here" % m.req_id.partition_id),
+    cm.TransactionDataBatchRequest: lambda m: cm.TransactionDataBatchResponse.failure(
+        m.req_id, "partition %d is not served here" % m.req_id.partition_id),
 }
 
 

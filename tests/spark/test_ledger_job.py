@@ -1,0 +1,68 @@
+"""The ledger job, run as a process (``python -m waltz.spark.jobs.ledger``) against a cluster holding bank
+transactions in the documented format, compared with a SQLite accounts table."""
+
+import io
+import json
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+import pytest_twisted
+
+from tests.spark.conftest import in_thread
+from waltz.spark.jobs import ledger
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def entry(kind, account, amount=None):
+    value = {"type": kind, "account": account}
+    if amount is not None:
+        value["amount"] = amount
+    return json.dumps(value).encode("utf-8")
+
+
+def write_accounts(path, accounts):
+    with sqlite3.connect(str(path)) as db:
+        db.execute("CREATE TABLE IF NOT EXISTS accounts (account INTEGER PRIMARY KEY, balance INTEGER, active INTEGER)")
+        db.execute("DELETE FROM accounts")
+        db.executemany("INSERT INTO accounts VALUES (?, ?, ?)", accounts)
+
+
+def run_job(cluster, database):
+    return subprocess.run([sys.executable, "-m", "waltz.spark.jobs.ledger", "--zookeeper", cluster.local.connect_string,
+                           "--cluster-root", cluster.local.root, "--master", "local[2]", "--compare-sqlite",
+                           str(database)], capture_output=True, text=True, timeout=200)
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_ledger_job_rebuilds_balances_and_reports_mismatches(spark, start_cluster, tmp_path):
+    cluster = await start_cluster(partitions=2)
+    entries = [entry("deposit", 1, 100), entry("deposit", 2, 50), entry("withdrawal", 1, 30), entry("deposit", 3, 5),
+               entry("withdrawal", 2, 50), entry("deactivate", 3), entry("deposit", 1, 7)]
+    await cluster.write([(account_partition(e), 0, e) for e in entries])
+    database = tmp_path / "bank.db"
+    write_accounts(database, [(1, 77, 1), (2, 0, 1), (3, 5, 0), (4, 0, 1)])
+
+    passed = await in_thread(run_job, cluster, database)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert "7 transactions, 3 accounts" in passed.stdout and "consistent (0 mismatches" in passed.stdout
+
+    # The mismatching case runs the same job function on the shared session (a second JVM costs ~40 s).
+    write_accounts(database, [(1, 78, 1), (2, 0, 1), (3, 5, 1)])
+    out = io.StringIO()
+    args = ledger.argument_parser().parse_args(["--zookeeper", cluster.local.connect_string, "--cluster-root",
+                                                cluster.local.root, "--compare-sqlite", str(database)])
+    assert await in_thread(ledger.run, spark, args, out) == 1
+    assert "MISMATCH account 1: log balance 77" in out.getvalue()
+    assert "MISMATCH account 3" in out.getvalue() and "2 mismatches" in out.getvalue()
+
+    await cluster.write([(0, 0, b"not json")])
+    out = io.StringIO()
+    assert await in_thread(ledger.run, spark, args, out) == 2
+    assert "not ledger entries: partition 0 transaction 2" in out.getvalue()
+
+
+def account_partition(data):
+    return json.loads(data)["account"] % 2

@@ -1,0 +1,1 @@
+"""Spark jobs that derive data from a Waltz log (run with ``spark-submit`` or ``python -m``)."""
