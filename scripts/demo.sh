@@ -2,12 +2,13 @@
 # Sets everything up (see bootstrap.sh) and runs the main job: a local Waltz cluster (ZooKeeper, three
 # storage daemons, two servers; `waltz dev up`) and the bank demo on it (`waltz demo`: several application
 # instances moving money under optimistic locks while a storage and a server are killed and restarted, then
-# the checks that nothing was lost, duplicated or overdrawn), and the cluster's state afterwards
-# (`waltz dev status`). Everything lives under ./.waltz-dev (or $WALTZ_RUN_DIR); stop it with
-# `.venv/bin/waltz dev down`. Extra arguments go to `waltz demo` (e.g. --duration 30; see docs/demo.md).
+# the checks that nothing was lost, duplicated or overdrawn), the Spark ledger job that rebuilds every balance
+# from the log and compares it with an instance's database, and the cluster's state (`waltz dev status`).
+# Everything lives under ./.waltz-dev (or $WALTZ_RUN_DIR); stop it with `.venv/bin/waltz dev down`.
+# Extra arguments go to `waltz demo` (e.g. --duration 30; see docs/demo.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
+bash scripts/bootstrap.sh --spark
 RUN_DIR="${WALTZ_RUN_DIR:-.waltz-dev}"
 ZK_PORT="${WALTZ_ZK_PORT:-42181}"
 waltz=.venv/bin/waltz
@@ -16,6 +17,14 @@ dev=(--run-dir "$RUN_DIR" --zookeeper-port "$ZK_PORT")
 $waltz dev up "${dev[@]}"
 echo
 $waltz demo "${dev[@]}" "$@"
+echo
+# The derived-data step: a Spark job rebuilds every balance from the log and compares it with the database of
+# the last run's first instance (docs/spark.md, "The ledger job").
+last_run="$(ls -d "$RUN_DIR"/demo/run-* | sort -V | tail -1)"
+echo "demo: the Spark ledger job rebuilds every balance from the log and compares with $last_run/instance-0/bank.db"
+.venv/bin/python -m waltz.spark.jobs.ledger --zookeeper "127.0.0.1:$ZK_PORT" --cluster-root /waltz_cluster \
+  --headers 101,102,103 --compare-sqlite "$last_run/instance-0/bank.db" 2> "$RUN_DIR/ledger-job.log" \
+  || { echo "demo: the ledger job failed; its log: $RUN_DIR/ledger-job.log"; exit 1; }
 echo
 $waltz dev status "${dev[@]}"
 echo

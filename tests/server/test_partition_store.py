@@ -78,3 +78,13 @@ def test_closing_the_partition_closes_the_store():
     s.partition.close()
     assert s.store.closed and s.partition.state is PartitionState.CLOSED
     assert s.append(9) is None
+
+
+def test_a_closed_partition_no_longer_reports_its_high_water_mark():
+    s = Setup()
+    s.append(1)
+    s.clock.advance(0)
+    gauge = s.partition.metrics.high_water_mark
+    assert gauge.snapshot() == {'{partition="0"}': 0}
+    s.partition.close()
+    assert gauge.snapshot() == {}

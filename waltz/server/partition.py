@@ -352,6 +352,8 @@ class ServerPartition:
         self._mounts.clear()
         self.feed_cache.drop_partition(self.partition_id)
         self.data_cache.drop_partition(self.partition_id)
+        # The partition may now be served elsewhere: a stale high-water mark here would mislead readers of /metrics.
+        self.metrics.high_water_mark.remove(self.partition_id)
         return defer.maybeDeferred(self.store.close)
 
     def _transition(self, state, why):
@@ -398,7 +400,8 @@ class ServerPartition:
     def _advance(self, high_water_mark):
         if high_water_mark > self.high_water_mark:
             self.high_water_mark = high_water_mark
-            self.metrics.high_water_mark.set(high_water_mark, self.partition_id)
+            if self.state is not PartitionState.CLOSED:
+                self.metrics.high_water_mark.set(high_water_mark, self.partition_id)
             self.feeds.advance(high_water_mark)
 
     # -- messages -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ Every mismatch is printed and the exit status is 1; a transaction that is not a
 ledger entry is an error (exit 2). Run it as::
 
     python -m waltz.spark.jobs.ledger --zookeeper 127.0.0.1:2181 --cluster-root /waltz_cluster \\
-        [--master local[*]] [--compare-sqlite bank.db]
+        [--master local[*]] [--compare-sqlite bank.db] [--headers 101,102,103]
 
 or ``spark-submit waltz/spark/jobs/ledger.py ...`` (``--master`` then defaults to what spark-submit gives).
 """
@@ -99,13 +99,20 @@ def argument_parser():
     parser.add_argument("--cluster-root", required=True, help="the cluster's root znode, e.g. /waltz_cluster")
     parser.add_argument("--master", default=None, help="Spark master (default local[*], or spark-submit's)")
     parser.add_argument("--compare-sqlite", metavar="PATH", help="compare with the accounts table of this file")
+    parser.add_argument("--headers", metavar="LIST", help="read only transactions with these headers (e.g. "
+                        "101,102,103, the bank demo's), skipping other applications' transactions in the same log "
+                        "before any data is fetched; default: every transaction")
     parser.add_argument("--show", type=int, default=20, help="balances to print without --compare-sqlite")
     return parser
 
 
 def run(spark, args, out=sys.stdout):
-    """The job; returns the exit status (0 consistent, 1 mismatches, 2 a bad log entry)."""
-    entries = decode_entries(read_log(spark, args.zookeeper, args.cluster_root)).cache()
+    """The job; returns the exit status (0 consistent, 1 mismatches, 2 a bad log entry or database)."""
+    if args.compare_sqlite and not os.path.isfile(args.compare_sqlite):
+        print("ledger: no such database file: %s" % args.compare_sqlite, file=out)
+        return 2
+    options = {"headers": args.headers} if args.headers else {}
+    entries = decode_entries(read_log(spark, args.zookeeper, args.cluster_root, **options)).cache()
     try:
         check_entries(entries)
     except LedgerError as exc:
