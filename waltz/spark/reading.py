@@ -1,7 +1,8 @@
 """What runs on the executors: reading one :class:`~waltz.spark.planning.WaltzSplit` into Arrow batches.
 
-A split is read by a read-only :class:`~waltz.client.blocking.BlockingWaltzClient`
-(its reactor runs in a daemon thread of the Python worker), in chunks of
+A split is read by the Python worker's read-only :class:`~waltz.client.blocking.BlockingWaltzClient`
+(:func:`worker_client`: one per worker, reused by its tasks; its reactor runs in a
+daemon thread of the worker), in chunks of
 :data:`CHUNK_SIZE` transactions, each one ``read_transactions`` call: the
 client verifies every record's CRC32C and fails on a gap in the feed. Each chunk
 is checked again here (ids inside the range, increasing, none missing when no
@@ -11,7 +12,9 @@ header filter applies, data present when asked for) and becomes one
 never returns a silent gap.
 """
 
+import atexit
 import contextlib
+import json
 
 import pyarrow as pa
 from pyspark.sql.types import BinaryType, IntegerType, LongType, StructField, StructType
@@ -60,16 +63,58 @@ def chunks(start, end, size=CHUNK_SIZE):
     return [(first, min(end, first + size - 1)) for first in range(start, end + 1, size)]
 
 
+#: Read-only clients of this Python worker, by client config (see :func:`worker_client`).
+_worker_clients = {}
+
+
+def worker_client(options):
+    """The read-only client of this Python worker for ``options``' cluster, started on first use.
+
+    Spark reuses a Python worker for many tasks (``spark.python.worker.reuse``, the default),
+    so every split a worker reads shares one client instead of each joining the cluster again
+    (a ZooKeeper session, discovery, connections: a large part of a small split's time). It
+    is closed when the worker exits, or dropped after a failed read.
+    """
+    key = json.dumps(options.client_config(), sort_keys=True)
+    client = _worker_clients.get(key)
+    if client is None:
+        close_worker_clients()          # one cluster at a time: a client of another one would linger
+        atexit.unregister(close_worker_clients)
+        atexit.register(close_worker_clients)
+        client = _worker_clients[key] = BlockingWaltzClient.for_reading(options.client_config(),
+                                                                        timeout=options.timeout)
+    return client
+
+
+def close_worker_clients():
+    """Close every client :func:`worker_client` started in this process (idempotent)."""
+    while _worker_clients:
+        _, client = _worker_clients.popitem()
+        with contextlib.suppress(Exception):
+            client.close()
+
+
+def _drop_worker_client(options):
+    client = _worker_clients.pop(json.dumps(options.client_config(), sort_keys=True), None)
+    if client is not None:
+        with contextlib.suppress(Exception):
+            client.close()
+
+
 def read_split(options, split, schema):
     """Yield the split's rows as ``pyarrow.RecordBatch`` objects in ``schema``'s Arrow layout."""
     from pyspark.sql.pandas.types import to_arrow_schema
     arrow_schema = to_arrow_schema(schema)
-    with reading_client(options) as client:
-        for first, last in chunks(split.start, split.end):
+    client = worker_client(options)
+    for first, last in chunks(split.start, split.end):
+        try:
             records = client.read_transactions(split.partition_id, first, last, options.headers,
                                                options.include_data, committed=True)
-            check_records(records, split.partition_id, first, last, options)
-            yield to_record_batch(records, split.partition_id, options, arrow_schema)
+        except BaseException:
+            _drop_worker_client(options)    # start the next split with a fresh client
+            raise
+        check_records(records, split.partition_id, first, last, options)
+        yield to_record_batch(records, split.partition_id, options, arrow_schema)
 
 
 def check_records(records, partition_id, first, last, options):
