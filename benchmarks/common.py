@@ -39,6 +39,11 @@ def percentile(values, q):
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def ratio_line(ratio, target, met):
+    """The closing line every benchmark prints: its ratio to the limit against the target."""
+    return "  ratio to limit: %.2f (target >= %.1f): %s" % (ratio, target, "met" if met else "NOT met")
+
+
 def report(figures, as_json, lines):
     for line in lines:
         print(line)

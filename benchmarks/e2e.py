@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from twisted.internet import defer, task, threads  # noqa: E402
 
 import replication  # noqa: E402
-from common import now, parser, percentile, report, work_dir  # noqa: E402
+from common import now, parser, percentile, ratio_line, report, work_dir  # noqa: E402
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks  # noqa: E402
 from waltz.local.cluster import LocalCluster  # noqa: E402
 from waltz.local.daemons import local_server  # noqa: E402
@@ -223,7 +223,7 @@ def main(argv=None):
             % (rate, p50, p99, TARGET_OPS, TARGET_P99_MS),
             "  consumer feed: %10.0f transactions/s" % feed_rate,
             "  limit (replication.py, store layer alone): %10.0f transactions/s" % limit,
-            "  ratio to limit: %.2f (target >= %.1f): %s" % (ratio, TARGET_RATIO, "met" if ok else "NOT met"),
+            ratio_line(ratio, TARGET_RATIO, ok),
         ]
         report(figures, args.json, lines)
 

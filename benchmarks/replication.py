@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from twisted.internet import defer, task  # noqa: E402
 
 import storage_append  # noqa: E402
-from common import now, parser, percentile, report, work_dir  # noqa: E402
+from common import now, parser, percentile, ratio_line, report, work_dir  # noqa: E402
 from waltz.local.cluster import LocalCluster  # noqa: E402
 from waltz.protocols.values import ReqId, checksum  # noqa: E402
 from waltz.server.store.partition import AppendFailed, AppendFateUnknown  # noqa: E402
@@ -156,7 +156,7 @@ def main(argv=None):
             "  failover after kill -9 of one storage under load: %.3f s (target < %.1f s)"
             % (failover, TARGET_FAILOVER_S),
             "  limit (storage_append.py, one storage, 1 partition): %10.0f records/s" % limit,
-            "  ratio to limit: %.2f (target >= %.1f): %s" % (rate / limit, TARGET_RATIO, "met" if ok else "NOT met"),
+            ratio_line(rate / limit, TARGET_RATIO, ok),
         ]
         report(figures, args.json, lines)
 

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from twisted.internet import defer, task, threads  # noqa: E402
 
-from common import now, parser, report, work_dir  # noqa: E402
+from common import now, parser, ratio_line, report, work_dir  # noqa: E402
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks  # noqa: E402
 from waltz.local.cluster import LocalCluster  # noqa: E402
 from waltz.local.daemons import local_server  # noqa: E402
@@ -196,7 +196,7 @@ def main(argv=None):
             % (args.transactions, args.record_size, args.partitions, args.master, args.max_per_split),
             "  spark:         %10.0f rows/s (target >= %d)" % (rate, TARGET_ROWS),
             "  limit (one client process, blocking facade): %10.0f rows/s" % limit,
-            "  ratio to limit: %.2f (target >= %.1f): %s" % (ratio, TARGET_RATIO, "met" if ok else "NOT met"),
+            ratio_line(ratio, TARGET_RATIO, ok),
         ]
         report(figures, args.json, lines)
 
