@@ -3,6 +3,7 @@ transactions in the documented format, compared with a SQLite accounts table."""
 
 import io
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest_twisted
 from tests.spark.conftest import in_thread
 from waltz.spark.jobs import ledger
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
 
 def entry(kind, account, amount=None):
@@ -30,10 +31,19 @@ def write_accounts(path, accounts):
         db.executemany("INSERT INTO accounts VALUES (?, ?, ?)", accounts)
 
 
-def run_job(cluster, database):
-    return subprocess.run([sys.executable, "-m", "waltz.spark.jobs.ledger", "--zookeeper", cluster.local.connect_string,
-                           "--cluster-root", cluster.local.root, "--master", "local[2]", "--compare-sqlite",
-                           str(database)], capture_output=True, text=True, timeout=200)
+def run_job(cluster, database, spark_submit=False):
+    """The job as a process: ``python -m waltz.spark.jobs.ledger`` or ``spark-submit waltz/spark/jobs/ledger.py``
+    (with the environment's ``bin`` first on PATH, as after ``source .venv/bin/activate``)."""
+    arguments = ["--zookeeper", cluster.local.connect_string, "--cluster-root", cluster.local.root,
+                 "--compare-sqlite", str(database)]
+    env = dict(os.environ)
+    if spark_submit:
+        bin_dir = os.path.dirname(sys.executable)
+        env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+        command = [os.path.join(bin_dir, "spark-submit"), "--master", "local[1]", ledger.__file__] + arguments
+    else:
+        command = [sys.executable, "-m", "waltz.spark.jobs.ledger", "--master", "local[2]"] + arguments
+    return subprocess.run(command, capture_output=True, text=True, timeout=200, env=env)
 
 
 @pytest_twisted.ensureDeferred
@@ -45,9 +55,10 @@ async def test_the_ledger_job_rebuilds_balances_and_reports_mismatches(spark, st
     database = tmp_path / "bank.db"
     write_accounts(database, [(1, 77, 1), (2, 0, 1), (3, 5, 0), (4, 0, 1)])
 
-    passed = await in_thread(run_job, cluster, database)
-    assert passed.returncode == 0, passed.stdout + passed.stderr
-    assert "7 transactions, 3 accounts" in passed.stdout and "consistent (0 mismatches" in passed.stdout
+    for spark_submit in (False, True):
+        passed = await in_thread(run_job, cluster, database, spark_submit)
+        assert passed.returncode == 0, passed.stdout + passed.stderr
+        assert "7 transactions, 3 accounts" in passed.stdout and "consistent (0 mismatches" in passed.stdout
 
     # The mismatching case runs the same job function on the shared session (a second JVM costs ~40 s).
     write_accounts(database, [(1, 78, 1), (2, 0, 1), (3, 5, 1)])
