@@ -8,8 +8,9 @@ random moment between 30 % and 70 % of the run.
 
 It talks to the demo runner (:mod:`waltz.demo.runner`) in JSON lines: on stdout it
 writes ``started`` (its database rebuilt from the log), ``progress`` (twice a
-second), ``produced`` (the workload is over), ``finished`` and ``error`` events; on stdin it waits for the line ``drain``
-(every instance has stopped writing), then catches up with every partition's
+second), ``produced`` (the workload is over), ``finished`` and ``error`` events. On stdin
+it waits for the line ``go`` (every instance has started) before its workload, and for
+``drain`` (every instance has stopped writing) after it; then it catches up with every partition's
 high-water mark, writes its report (every transaction it committed, with where it
 is in the log) and exits.
 """
@@ -73,6 +74,7 @@ class Channel(LineReceiver):
     delimiter = b"\n"
 
     def __init__(self):
+        self.go = defer.Deferred()
         self.drain = defer.Deferred()
 
     def send(self, event, **fields):
@@ -80,12 +82,14 @@ class Channel(LineReceiver):
         self.sendLine(json.dumps(fields, sort_keys=True).encode("utf-8"))
 
     def lineReceived(self, line):
-        if line.strip() == b"drain" and not self.drain.called:
-            self.drain.callback(None)
+        command = {b"go": self.go, b"drain": self.drain}.get(line.strip())
+        if command is not None and not command.called:
+            command.callback(None)
 
     def connectionLost(self, reason):
-        if not self.drain.called:
-            self.drain.errback(RuntimeError("the demo runner went away"))
+        for command in (self.go, self.drain):
+            if not command.called:
+                command.errback(RuntimeError("the demo runner went away"))
 
 
 class Workload:
@@ -170,6 +174,7 @@ def run_instance(reactor, args, channel):
         # Rebuild the database from the log before making decisions on it.
         marks = yield catch_up(client)
         channel.send("started", partitions=client.num_partitions, rebuilt=sum(m + 1 for m in marks.values()))
+        yield channel.go                # every instance starts its workload at the same moment
         progress.start(PROGRESS_INTERVAL, now=False)
         workload = Workload(reactor, client, bank, args, stats)
         yield workload.run()

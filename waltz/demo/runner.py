@@ -20,12 +20,17 @@ import time
 import attr
 from twisted.internet import defer, error, protocol, task, threads
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from waltz.demo.checks import load_instance, verify
 
 log = Logger()
 
 ACCOUNT_NUMBERS_PER_RUN = 1000
+#: Seconds allowed after the workload's duration for the transactions in flight to end.
+PRODUCE_GRACE = 120.0
+#: Seconds allowed for an instance to exit after it finished.
+EXIT_TIMEOUT = 60.0
 
 
 @attr.s(frozen=True, auto_attribs=True)
@@ -85,6 +90,8 @@ class InstanceProcess(protocol.ProcessProtocol):
         try:
             message = json.loads(line)
         except ValueError:
+            message = None
+        if not isinstance(message, dict):
             self._log.write(line + b"\n")
             return
         event = message.pop("event", None)
@@ -102,8 +109,9 @@ class InstanceProcess(protocol.ProcessProtocol):
         self._log.write(data)
         self._log.flush()
 
-    def drain(self):
-        self.transport.write(b"drain\n")
+    def command(self, word):
+        """Send ``go`` (start the workload) or ``drain`` (catch up and finish)."""
+        self.transport.write(word.encode("ascii") + b"\n")
 
     def processEnded(self, reason):
         self._log.close()
@@ -128,11 +136,29 @@ def _sleep_until(reactor, when):
     return task.deferLater(reactor, max(0.0, when - reactor.seconds()), lambda: None)
 
 
+def _all(deferreds):
+    """Fires with every result, or fails with the first failure itself (not wrapped in FirstError)."""
+    d = defer.gatherResults(deferreds, consumeErrors=True)
+    return d.addErrback(lambda failure: failure.value.subFailure if failure.check(defer.FirstError) else failure)
+
+
+def _stopped_is_fine(failure):
+    """A fault plan stopped (after a failure elsewhere) ends with CancelledError: not an error of its own."""
+    failure.trap(defer.CancelledError)
+
+
 def _with_timeout(reactor, d, seconds, what):
-    def timed_out(failure):
-        failure.trap(defer.TimeoutError, defer.CancelledError)
-        raise InstanceError("%s within %.0f s" % (what, seconds))
-    return d.addTimeout(seconds, reactor).addErrback(timed_out)
+    """``d``'s outcome, or :class:`InstanceError` saying ``what`` after ``seconds`` (``d`` goes on)."""
+    outer = defer.Deferred()
+    expiry = reactor.callLater(seconds, lambda: outer.errback(InstanceError("%s within %.0f s" % (what, seconds))))
+
+    def settle(result):
+        if expiry.active():
+            expiry.cancel()
+            (outer.errback if isinstance(result, Failure) else outer.callback)(result)
+        return None                 # after the expiry the outcome no longer matters
+    d.addBoth(settle)
+    return outer
 
 
 class FaultPlan:
@@ -145,13 +171,34 @@ class FaultPlan:
         self.say = say
         self.faults = []
         self.down = []
+        self.stopped = False
+        self._sleep = None
+
+    def _until(self, when):
+        self._sleep = _sleep_until(self.reactor, when)
+        return self._sleep
+
+    def stop(self):
+        """No more faults: a pending one is cancelled (see :meth:`restore` for those already injected)."""
+        self.stopped = True
+        if self._sleep is not None and not self._sleep.called:
+            self._sleep.cancel()
+
+    @defer.inlineCallbacks
+    def restore(self):
+        """Start again every process this plan killed and did not restart yet."""
+        for name in list(self.down):
+            kind, index = name.rsplit("-", 1)
+            yield threads.deferToThread(self.cluster.daemon(kind, int(index)).start)
+            self.down.remove(name)
+            self.say("fault: %s restarted" % name)
 
     @defer.inlineCallbacks
     def run(self, began):
         """Fires when every process it killed runs again."""
         storage = "storage-%d" % min(1, self.cluster.num_storages - 1)
         yield self._outage(storage, began + 0.2 * self.duration, began + 0.4 * self.duration)
-        yield _sleep_until(self.reactor, began + 0.5 * self.duration)
+        yield self._until(began + 0.5 * self.duration)
         served = yield threads.deferToThread(self.cluster.served_partitions)
         if served:
             server = max(sorted(served), key=lambda name: len(served[name]))
@@ -162,13 +209,15 @@ class FaultPlan:
     def _outage(self, name, kill_at, restart_at, why=""):
         kind, index = name.rsplit("-", 1)
         daemon = self.cluster.daemon(kind, int(index))
-        yield _sleep_until(self.reactor, kill_at)
+        yield self._until(kill_at)
+        if self.stopped:
+            return
         pid = daemon.pid
         yield threads.deferToThread(daemon.kill)
         self.down.append(name)
         self.say("fault: %s (pid %s%s) killed with SIGKILL" % (name, pid, ", " + why if why else ""))
         killed = self.reactor.seconds()
-        yield _sleep_until(self.reactor, restart_at)
+        yield self._until(restart_at)
         yield threads.deferToThread(daemon.start)
         self.down.remove(name)
         self.faults.append("%s killed and restarted after %.1f s" % (name, self.reactor.seconds() - killed))
@@ -249,44 +298,61 @@ def run_demo(reactor, cluster, settings=DemoSettings(), say=print):
     instances = [_spawn(reactor, run_dir, i, first_account, config_path, settings)
                  for i in range(settings.instances)]
     trigger = reactor.addSystemEventTrigger("before", "shutdown", lambda: [i.kill() for i in instances])
+    faults = FaultPlan(reactor, cluster, settings.duration, say) if settings.faults else None
     report = DemoReport(run_dir)
     began = time.monotonic()
     try:
-        yield _with_timeout(reactor, defer.gatherResults([i.events["started"] for i in instances],
-                                                         consumeErrors=True),
-                            settings.start_timeout, "the instances did not all join the cluster")
+        yield _with_timeout(reactor, _all([i.events["started"] for i in instances]), settings.start_timeout,
+                            "the instances did not all join the cluster")
         say("demo: every instance has joined the cluster and rebuilt its database from the log (%d transactions)"
             % instances[0].started["rebuilt"])
-        faults = FaultPlan(reactor, cluster, settings.duration, say) if settings.faults else None
-        fault_run = faults.run(reactor.seconds()) if faults else defer.succeed(None)
-        progress = Progress(reactor, instances, faults, say)
-        display = task.LoopingCall(progress.show)
-        display.start(settings.progress_interval, now=False)
-        try:
-            yield defer.gatherResults([i.events["produced"] for i in instances], consumeErrors=True)
-            yield fault_run
-        finally:
-            display.stop()
-        progress.show()
+        progress = yield _traffic(reactor, instances, faults, settings, say)
         report.faults = faults.faults if faults else []
         say("demo: every instance has stopped writing; each now catches up with the whole log")
         for instance in instances:
-            instance.drain()
-        yield _with_timeout(reactor, defer.gatherResults([i.events["finished"] for i in instances],
-                                                         consumeErrors=True),
-                            settings.drain_timeout, "the instances did not all catch up")
-        yield defer.gatherResults([i.ended for i in instances])
+            instance.command("drain")
+        yield _with_timeout(reactor, _all([i.events["finished"] for i in instances]), settings.drain_timeout,
+                            "the instances did not all catch up")
+        codes = yield _with_timeout(reactor, _all([i.ended for i in instances]), EXIT_TIMEOUT,
+                                    "the instances did not all exit")
+        for instance, code in zip(instances, codes):
+            if code != 0:
+                raise InstanceError("%s exited with status %s after finishing; see %s"
+                                    % (instance.name, code, instance.log_path))
         report.totals = progress.totals()
         report.seconds = time.monotonic() - began
-        states = yield threads.deferToThread(load_run, run_dir)
-        report.checks = verify(states)
-    except defer.FirstError as failure:
-        failure.subFailure.raiseException()
+        report.checks = verify((yield threads.deferToThread(load_run, run_dir)))
     finally:
         for instance in instances:
             instance.kill()
         reactor.removeSystemEventTrigger(trigger)
+        if faults is not None:
+            faults.stop()
+            yield faults.restore()      # the cluster is left running as it was found
     return report
+
+
+@defer.inlineCallbacks
+def _traffic(reactor, instances, faults, settings, say):
+    """Start every workload at once, inject the faults, show progress; fires with the Progress when every
+    instance has stopped writing and every killed process runs again."""
+    for instance in instances:
+        instance.command("go")
+    fault_run = faults.run(reactor.seconds()) if faults else defer.succeed(None)
+    fault_run.addErrback(_stopped_is_fine)
+    progress = Progress(reactor, instances, faults, say)
+    display = task.LoopingCall(progress.show)
+    display.start(settings.progress_interval, now=False)
+    try:
+        # Contexts still in flight at the end may wait for a lost server's partitions to move.
+        yield _with_timeout(reactor, _all([i.events["produced"] for i in instances]),
+                            settings.duration + PRODUCE_GRACE, "the instances did not all finish their workload")
+        yield fault_run
+    finally:
+        if display.running:
+            display.stop()
+    progress.show()
+    return progress
 
 
 def load_run(run_dir):
