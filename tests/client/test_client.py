@@ -554,6 +554,26 @@ def test_read_transactions_waits_for_transactions_beyond_the_hwm(harness):
     assert [r.transaction_id for r in outcome(d)] == [0, 1, 2]
 
 
+def test_a_read_follows_its_partition_to_another_server_when_its_server_dies(harness):
+    for header in range(3):
+        harness.commit(0, header=header, data=b"d%d" % header)
+    client = harness.client(**{"client.autoMount": False})
+    d = client.read_transactions(0, 0, 4)           # waits on server A's feed for transactions 3 and 4
+    harness.settle()
+    assert outcome(d) is None
+    harness.network.take_down(EP_A)                  # dead: it will never answer again
+    harness.settle(1)
+    harness.server_b.partitions = {0}
+    harness.discovery.move(0, EP_B, 2)
+    harness.settle()
+    [mount] = harness.server_b.messages(m.MountRequest)
+    assert mount.client_hwm == 2                     # it goes on from the last transaction received
+    harness.commit(0, header=3, data=b"d3")
+    harness.commit(0, header=4, data=b"d4")
+    harness.settle()
+    assert [(r.transaction_id, r.header, r.data) for r in outcome(d)] == [(i, i, b"d%d" % i) for i in range(5)]
+
+
 def test_read_transactions_beyond_the_log_fails(harness):
     client = harness.client()
     d = client.read_transactions(0, 5, 9)

@@ -163,6 +163,8 @@ class WaltzClient:
         for pid, partition in self._partitions.items():
             location = locations.get(pid)
             partition.relocate(location, self._connections(location.endpoint) if location else None)
+        for read in list(self._reads):
+            read.relocate(locations.get(read.partition_id))
         in_use = {location.endpoint for location in locations.values()}
         for endpoint in [e for e in self._servers if e not in in_use]:
             log.info("closing the connections to {endpoint}: it holds none of our partitions", endpoint=endpoint)

@@ -128,6 +128,24 @@ class FeedRead:
     def _located(self, location):
         if self.state is not ReadState.CONNECTING:
             return
+        self._open(location)
+
+    def relocate(self, location):
+        """The partition map changed: if the partition moved, leave the old server (which may be dead
+        and would never answer) and go on at the new one, from the last transaction received."""
+        if self.state in (ReadState.DONE, ReadState.FAILED) or location is None or self._location is None:
+            return
+        if (location.endpoint, location.generation) == (self._location.endpoint, self._location.generation):
+            return
+        log.info("partition {pid} moved to {endpoint}; the read continues there", pid=self.partition_id,
+                 endpoint=location.endpoint)
+        self.cancel_timers()
+        self._close_connection()
+        if self.state is not ReadState.FINISHING:
+            self._set_state(ReadState.CONNECTING)
+        self._open(location)
+
+    def _open(self, location):
         self._location = location
         backoff = Backoff(self._settings.reconnect_initial_interval, self._settings.reconnect_max_interval)
         self._conn = ManagedConnection(location.endpoint, "reader", self, self._connector, self._reactor,

@@ -73,9 +73,11 @@ def worker_client(options):
     Spark reuses a Python worker for many tasks (``spark.python.worker.reuse``, the default),
     so every split a worker reads shares one client instead of each joining the cluster again
     (a ZooKeeper session, discovery, connections: a large part of a small split's time). It
-    is closed when the worker exits, or dropped after a failed read.
+    is dropped after a failed read, and closed when a split of another cluster comes or the
+    worker exits normally (PySpark may end a worker with ``os._exit``; its ZooKeeper session then
+    expires by itself). A Python worker runs one task at a time, so the cache needs no lock.
     """
-    key = json.dumps(options.client_config(), sort_keys=True)
+    key = _client_key(options)
     client = _worker_clients.get(key)
     if client is None:
         close_worker_clients()          # one cluster at a time: a client of another one would linger
@@ -84,6 +86,10 @@ def worker_client(options):
         client = _worker_clients[key] = BlockingWaltzClient.for_reading(options.client_config(),
                                                                         timeout=options.timeout)
     return client
+
+
+def _client_key(options):
+    return json.dumps([options.client_config(), options.timeout], sort_keys=True)
 
 
 def close_worker_clients():
@@ -95,7 +101,7 @@ def close_worker_clients():
 
 
 def _drop_worker_client(options):
-    client = _worker_clients.pop(json.dumps(options.client_config(), sort_keys=True), None)
+    client = _worker_clients.pop(_client_key(options), None)
     if client is not None:
         with contextlib.suppress(Exception):
             client.close()
