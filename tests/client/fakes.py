@@ -107,6 +107,7 @@ class FakeServer(Factory):
         self.feed_credit = None
         self.corrupt = {}            # transaction id -> corrupted responses still to send
         self.data_errors = {}        # transaction id -> error string
+        self.batch_errors = []       # errors the next batched data requests are answered with
         self.answer_mounts = True
 
     def buildProtocol(self, addr):
@@ -204,6 +205,9 @@ class FakeServer(Factory):
             proto.sendMessage(m.TransactionDataResponse.success(message.req_id, txn, record.data))
 
     def on_TransactionDataBatchRequest(self, proto, message):
+        if self.batch_errors:
+            proto.sendMessage(m.TransactionDataBatchResponse.failure(message.req_id, self.batch_errors.pop(0)))
+            return
         records = self.logs[message.req_id.partition_id].records
         proto.sendMessage(m.TransactionDataBatchResponse.success(
             message.req_id, [records[txn] for txn in message.transaction_ids]))

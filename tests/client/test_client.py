@@ -574,6 +574,26 @@ def test_a_read_follows_its_partition_to_another_server_when_its_server_dies(har
     assert [(r.transaction_id, r.header, r.data) for r in outcome(d)] == [(i, i, b"d%d" % i) for i in range(5)]
 
 
+def test_a_read_asks_again_when_the_server_cannot_read_right_now_and_fails_when_it_never_can(harness):
+    for header in range(3):
+        harness.commit(0, header=header, data=b"d%d" % header)
+    client = harness.client(**{"client.autoMount": False, "client.maxDataFetchRetries": 2})
+    harness.server_a.batch_errors = ["reading transactions of partition 0 failed (try again later): no replica"] * 2
+    d = client.read_transactions(0, 0, 2, committed=True)
+    harness.settle()
+    assert outcome(d) is None                        # asked again after client.mountRetryInterval
+    harness.settle(0.5)
+    harness.settle(0.5)
+    assert [(r.transaction_id, r.data) for r in outcome(d)] == [(0, b"d0"), (1, b"d1"), (2, b"d2")]
+    harness.server_a.batch_errors = ["reading transactions of partition 0 failed (try again later): no replica"] * 3
+    d = client.read_transactions(0, 0, 2, committed=True)
+    for _ in range(4):
+        harness.settle(0.5)
+    failures = []
+    d.addErrback(failures.append)
+    assert failures and "no replica" in failures[0].getErrorMessage()
+
+
 def test_read_transactions_beyond_the_log_fails(harness):
     client = harness.client()
     d = client.read_transactions(0, 5, 9)

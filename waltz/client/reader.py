@@ -60,6 +60,7 @@ class _DataBatch:
 
     indexes = attr.ib()
     bad_checksums = attr.ib(default=0)
+    refusals = attr.ib(default=0)      # transient failures answered so far (RETRY_LATER_MARK)
 
 
 class ReadState(enum.Enum):
@@ -277,13 +278,24 @@ class FeedRead:
         self._check_done()
 
     def _batch_refused(self, batch, error):
-        self._batches.appendleft(batch)
-        if error and _NOT_SERVED in error:
+        error = error or "no reason given"
+        if _NOT_SERVED in error:
+            self._batches.appendleft(batch)
             log.info("partition {pid}: data request answered {error!r}; looking the partition up again",
                      pid=self.partition_id, error=error)
             self._remount_later()
+        elif m.RETRY_LATER_MARK in error and batch.refusals < self._settings.max_data_fetch_retries:
+            self._batches.appendleft(attr.evolve(batch, refusals=batch.refusals + 1))
+            log.info("partition {pid}: data request answered {error!r}; asking again in {delay} s",
+                     pid=self.partition_id, error=error, delay=self._settings.mount_retry_interval)
+            if self._retry_call is None:       # (a pending remount sends the batches itself)
+                self._retry_call = self._reactor.callLater(self._settings.mount_retry_interval, self._send_later)
         else:
             self._fail(TransactionDataError("partition %d: %s" % (self.partition_id, error)))
+
+    def _send_later(self):
+        self._retry_call = None
+        self._send_batches()
 
     def _txn_at(self, index):
         kept = self._records[index]

@@ -279,6 +279,11 @@ class TransactionDataBatchRequest(ClientMessage):
     transaction_ids: tuple = wire(ListOf(I64))
 
 
+#: In a failed TransactionDataBatchResponse's error: the failure is transient (the store could not read
+#: right now, e.g. no replica reachable); the client may send the request again later.
+RETRY_LATER_MARK = "try again later"
+
+
 @_message
 class TransactionDataBatchResponse(ClientMessage):
     """The records of a prefix (at least one) of a batch request's transaction ids when ``ok``,
