@@ -18,7 +18,7 @@ async def assign(metadata, servers):
                                               versioned.version)
 
 
-async def until(condition, what, timeout=20.0):
+async def until(condition, what, timeout=60.0):  # generous: a loaded machine reconnects slowly
     deadline = reactor.seconds() + timeout
     while not condition():
         if reactor.seconds() > deadline:
