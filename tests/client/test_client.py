@@ -457,6 +457,29 @@ def test_transaction_data_errors_from_the_server_fail_the_fetch(harness):
     assert "no such transaction" in failure[0].getErrorMessage()
 
 
+def test_a_transient_data_failure_is_asked_again_with_a_doubling_delay_before_it_fails(harness):
+    harness.commit(0, data=b"x")
+    client = harness.client(**{"client.maxDataFetchRetries": 3})
+    transient = "reading transaction 0 of partition 0 failed (try again later): no readable replica right now"
+    harness.server_a.data_errors[0] = transient
+    d = client.get_transaction_data(0, 0)
+    harness.settle()
+    for delay in (0.5, 1.0):                          # client.mountRetryInterval, doubling
+        harness.settle(delay)
+    assert not d.called and len(harness.server_a.messages(m.TransactionDataRequest)) == 3
+    del harness.server_a.data_errors[0]               # the storage is back
+    harness.settle(2.0)
+    assert d.result == b"x"
+
+    harness.server_a.data_errors[0] = transient       # a failure that lasts: reported after the retries
+    d = client.get_transaction_data(0, 0)
+    for delay in (0, 0.5, 1.0, 2.0):
+        harness.settle(delay)
+    failure = []
+    d.addErrback(failure.append)
+    assert "no readable replica right now" in failure[0].getErrorMessage()
+
+
 def test_pending_data_requests_are_sent_again_after_a_reconnect(harness):
     harness.commit(0, data=b"x")
     client = harness.client()

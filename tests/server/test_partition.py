@@ -71,6 +71,8 @@ class DummyStore:
         return defer.succeed(None)
 
     def get_records(self, transaction_id, max_records):
+        if self.fail_reads:
+            return defer.fail(self.fail_reads)
         end = min(self.high_water_mark + 1, transaction_id + max_records)
         return defer.succeed(tuple(self.records[transaction_id:end]))
 
@@ -715,3 +717,25 @@ def test_commits_the_partition_did_not_make_raise_the_lock_table(h):
     assert h.partition.high_water_mark == 0
     h.handle(conn, append(1, client_hwm=-1, write_locks=[lock_hash("any", 1)]))
     assert conn.of(LockFailure) == [LockFailure(rid(1), 0)]
+
+
+def test_data_requests_tell_the_client_when_to_look_again_or_ask_again():
+    from waltz.protocols.client_messages import (
+        RETRY_LATER_MARK, TransactionDataBatchRequest, TransactionDataBatchResponse, TransactionDataResponse)
+    h = Harness(records=3, healthy=False)
+    rpc = DummyConnection("rpc")
+    h.handle(rpc, TransactionDataBatchRequest(rid(1), [0, 1]))
+    [starting] = rpc.take()
+    assert isinstance(starting, TransactionDataBatchResponse) and not starting.ok
+    assert "is not served here" in starting.error    # still starting: its high-water mark is not known yet
+    h.store.become_healthy()
+    h.store.fail_reads = RuntimeError("no readable replica right now")
+    h.handle(rpc, TransactionDataRequest(rid(2), 1))
+    h.run()
+    h.handle(rpc, TransactionDataBatchRequest(rid(3), [1, 2]))
+    h.run()
+    transient, batch = rpc.take()
+    assert isinstance(transient, TransactionDataResponse) and isinstance(batch, TransactionDataBatchResponse)
+    for response in (transient, batch):
+        assert not response.ok
+        assert RETRY_LATER_MARK in response.error and "no readable replica right now" in response.error

@@ -86,8 +86,11 @@ def test_batch_requests_are_checked_and_read_in_runs():
     assert got == [[records[0], records[1], records[2], records[4]]]
     assert store.calls == [(0, 3), (2, 1), (4, 1)]
     got = []
-    read_record_batch(Store(records), [0, 1, 2, 3], 0, 15).addCallback(got.append)
-    assert got == [records[:2]]          # stops once the data passes the byte budget
+    read_record_batch(Store(records), [0, 1, 2, 3], 0, 25).addCallback(got.append)
+    assert got == [records[:2]]          # no more than the byte budget, even within one storage answer
+    got = []
+    read_record_batch(Store(records), [0, 1, 2, 3], 0, 5).addCallback(got.append)
+    assert got == [records[:1]]          # at least one record, however large
     bad = Store([records[0], Record(1, rid, 0, b"y", records[1].checksum)])
     failures = []
     read_record_batch(bad, [0, 1], 0, 1 << 20).addErrback(failures.append)

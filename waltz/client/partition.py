@@ -112,6 +112,7 @@ class _DataFetch:
     waiters = attr.ib(factory=list)
     bad_checksums = attr.ib(default=0)
     misrouted = attr.ib(default=0)     #: answers "not served here" (the request went to the wrong server)
+    refusals = attr.ib(default=0)      #: answers "try again later" (the server could not read it right now)
 
 
 #: How a server that does not serve the partition answers a transaction data request
@@ -768,6 +769,8 @@ class ClientPartition:
             if "rpc" not in self._timers:
                 self._later("rpc", self._settings.mount_retry_interval, self._resend_rpc)
             return
+        if not message.ok and self._retry_later(fetch, message):
+            return
         del self._fetches[message.transaction_id]
         if message.ok:
             for d in fetch.waiters:
@@ -777,6 +780,19 @@ class ClientPartition:
                                          % (self.partition_id, message.transaction_id, message.error))
             for d in fetch.waiters:
                 d.errback(error)
+
+    def _retry_later(self, fetch, message):
+        """A transient failure (a storage restarting, say): ask again after a doubling delay, up to
+        ``client.maxDataFetchRetries`` times, rather than fail the application's apply at once."""
+        if m.RETRY_LATER_MARK not in (message.error or "") or fetch.refusals >= self._settings.max_data_fetch_retries:
+            return False
+        fetch.refusals += 1
+        delay = min(MAX_APPLY_RETRY_INTERVAL, self._settings.mount_retry_interval * 2 ** (fetch.refusals - 1))
+        log.info("partition {pid}: transaction {txn} data: {error}; asking again in {delay} s",
+                 pid=self.partition_id, txn=message.transaction_id, error=message.error, delay=delay)
+        if "rpc" not in self._timers:
+            self._later("rpc", delay, self._resend_rpc)
+        return True
 
     def _data_corrupted(self, message):
         fetch = self._fetches.get(message.transaction_id)

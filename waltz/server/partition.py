@@ -54,7 +54,8 @@ from zope.interface import Attribute, Interface
 from waltz.metrics import Registry
 from waltz.protocols.client_messages import (
     AppendRequest, FeedRequest, FeedSuspended, FlushRequest, FlushResponse, HighWaterMarkRequest,
-    HighWaterMarkResponse, LockFailure, MountRequest, MountResponse, MountState, TransactionDataBatchRequest,
+    RETRY_LATER_MARK, HighWaterMarkResponse, LockFailure, MountRequest, MountResponse, MountState,
+    TransactionDataBatchRequest,
     TransactionDataBatchResponse, TransactionDataRequest, TransactionDataResponse)
 from waltz.protocols.values import RecordHeader
 from waltz.server.caches import HEADER_BYTES, FeedCache, TransactionDataCache
@@ -249,22 +250,23 @@ def check_record(record, expected, partition_id):
 
 @defer.inlineCallbacks
 def read_record_batch(store, ids, partition_id, max_bytes):
-    """Fires with the checked records of a prefix of ``ids`` (all of them, unless their data passes
-    ``max_bytes``), read with ``store.get_records`` one run of consecutive ids at a time."""
+    """Fires with the checked records of a prefix of ``ids``: all of them, or as many as fit in
+    ``max_bytes`` of data (at least one), read with ``store.get_records`` one run of consecutive ids at
+    a time."""
     records, size = [], 0
     for first, count in id_runs(ids):
-        while count > 0 and size < max_bytes:
+        while count > 0:
             got = yield store.get_records(first, count)
             if not got:
                 raise BatchReadError("transaction %d of partition %d is missing from the store"
                                      % (first, partition_id))
             for record in got[:count]:
+                if records and size + len(record.data) > max_bytes:
+                    return records      # the client asks again for the rest
                 records.append(check_record(record, first, partition_id))
                 size += len(record.data)
                 first += 1
                 count -= 1
-        if size >= max_bytes:
-            break
     return records
 
 
@@ -561,8 +563,10 @@ class ServerPartition:
         connection.sendMessage(TransactionDataResponse.failure(request.req_id, txn, error))
 
     def _record_read_failed(self, failure, connection, request):
-        error = "reading transaction %d of partition %d failed: %s" % (
-            request.transaction_id, self.partition_id, failure.getErrorMessage())
+        # The store could not read now (no replica reachable, a storage connection lost): the client may
+        # ask again.
+        error = "reading transaction %d of partition %d failed (%s): %s" % (
+            request.transaction_id, self.partition_id, RETRY_LATER_MARK, failure.getErrorMessage())
         self.log.warn("{error}", error=error)
         connection.sendMessage(TransactionDataResponse.failure(request.req_id, request.transaction_id, error))
 
@@ -571,7 +575,8 @@ class ServerPartition:
         runs of consecutive ids (the data cache holds no headers, so it is not used), every record
         checked; any missing or damaged record fails the whole request, naming the transaction."""
         ids = request.transaction_ids
-        if self.state is PartitionState.CLOSED:
+        if self.state is not PartitionState.SERVING:
+            # Starting (its high-water mark not known yet) or closed: the client looks it up again.
             error = "partition %d is not served here" % self.partition_id
         else:
             error = batch_request_problem(ids, self.partition_id, self.high_water_mark)
@@ -590,7 +595,9 @@ class ServerPartition:
     def _batch_failed(self, failure, connection, request):
         error = failure.getErrorMessage()
         if not failure.check(BatchReadError):
-            error = "reading transactions of partition %d failed: %s" % (self.partition_id, error)
+            # The store could not read now (no replica reachable, a timeout): the client may ask again.
+            error = "reading transactions of partition %d failed (%s): %s" % (self.partition_id, RETRY_LATER_MARK,
+                                                                               error)
         self.log.warn("{error}", error=error)
         connection.sendMessage(TransactionDataBatchResponse.failure(request.req_id, error))
 
