@@ -23,7 +23,8 @@ CLIENT_ONLY_KEYS = (
     Key("client.transactionExpiration", non_negative_int, 60000,
         "ms after its creation a transaction context stops being retried (0: never)"),
     Key("client.maxDataFetchRetries", non_negative_int, 5,
-        "re-fetches of transaction data whose checksum does not match"),
+        "re-fetches of transaction data whose checksum does not match, or that the server could not read "
+        "right now (after a delay doubling from client.mountRetryInterval)"),
     Key("client.mountRetryInterval", positive_int, 500,
         "ms to wait before mounting again after a NOT_READY mount response"),
     Key("client.reconnectInitialInterval", non_negative_int, 100,
