@@ -604,14 +604,15 @@ def test_a_read_asks_again_when_the_server_cannot_read_right_now_and_fails_when_
     harness.server_a.batch_errors = ["reading transactions of partition 0 failed (try again later): no replica"] * 2
     d = client.read_transactions(0, 0, 2, committed=True)
     harness.settle()
-    assert outcome(d) is None                        # asked again after client.mountRetryInterval
+    assert outcome(d) is None                        # asked again after client.mountRetryInterval, doubling
     harness.settle(0.5)
-    harness.settle(0.5)
+    assert outcome(d) is None
+    harness.settle(1.0)
     assert [(r.transaction_id, r.data) for r in outcome(d)] == [(0, b"d0"), (1, b"d1"), (2, b"d2")]
     harness.server_a.batch_errors = ["reading transactions of partition 0 failed (try again later): no replica"] * 3
     d = client.read_transactions(0, 0, 2, committed=True)
-    for _ in range(4):
-        harness.settle(0.5)
+    for delay in (0, 0.5, 1.0):
+        harness.settle(delay)
     failures = []
     d.addErrback(failures.append)
     assert failures and "no replica" in failures[0].getErrorMessage()

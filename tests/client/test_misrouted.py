@@ -5,7 +5,7 @@ sent again, the application sees no error, and the client reads the partition ma
 from twisted.internet import defer
 
 from tests.client.fakes import EP_A, EP_B, FakeDiscovery, RecordingCallbacks
-from waltz.client.partition import is_not_served
+from waltz.protocols.client_messages import is_not_served
 from waltz.protocols import client_messages as m
 
 

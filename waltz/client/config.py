@@ -66,6 +66,12 @@ class ClientSettings:
     apply_retry_interval: float = 0.1
     max_data_requests_in_flight: int = 256
 
+    def retry_later_delay(self, refusals: int) -> float:
+        """Seconds before asking again for data the server could not read right now ("try again later"),
+        after ``refusals`` such answers: doubling from ``mount_retry_interval``, at most
+        :data:`MAX_APPLY_RETRY_INTERVAL`."""
+        return min(MAX_APPLY_RETRY_INTERVAL, self.mount_retry_interval * 2 ** (refusals - 1))
+
     @classmethod
     def from_config(cls, config: Config) -> "ClientSettings":
         """The settings of a validated client :class:`~waltz.config.Config`."""

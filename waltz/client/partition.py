@@ -115,16 +115,6 @@ class _DataFetch:
     refusals = attr.ib(default=0)      #: answers "try again later" (the server could not read it right now)
 
 
-#: How a server that does not serve the partition answers a transaction data request
-#: (``waltz.server.protocol.NOT_SERVED`` and a closed ``ServerPartition``).
-NOT_SERVED_MARK = "is not served here"
-
-
-def is_not_served(error) -> bool:
-    """Whether a failed TransactionDataResponse's error says the server does not serve the partition."""
-    return bool(error) and NOT_SERVED_MARK in error
-
-
 class ClientPartition:
     """The client's side of one partition (see the module docstring)."""
 
@@ -758,7 +748,7 @@ class ClientPartition:
         fetch = self._fetches.get(message.transaction_id)
         if fetch is None:
             return
-        if not message.ok and is_not_served(message.error):
+        if not message.ok and m.is_not_served(message.error):
             fetch.misrouted += 1
             (log.info if fetch.misrouted == 1 else log.debug)(
                 "partition {pid}: transaction {txn} data: {endpoint} does not serve the partition ({error}); "
@@ -784,10 +774,10 @@ class ClientPartition:
     def _retry_later(self, fetch, message):
         """A transient failure (a storage restarting, say): ask again after a doubling delay, up to
         ``client.maxDataFetchRetries`` times, rather than fail the application's apply at once."""
-        if m.RETRY_LATER_MARK not in (message.error or "") or fetch.refusals >= self._settings.max_data_fetch_retries:
+        if not m.is_retry_later(message.error) or fetch.refusals >= self._settings.max_data_fetch_retries:
             return False
         fetch.refusals += 1
-        delay = min(MAX_APPLY_RETRY_INTERVAL, self._settings.mount_retry_interval * 2 ** (fetch.refusals - 1))
+        delay = self._settings.retry_later_delay(fetch.refusals)
         log.info("partition {pid}: transaction {txn} data: {error}; asking again in {delay} s",
                  pid=self.partition_id, txn=message.transaction_id, error=message.error, delay=delay)
         if "rpc" not in self._timers:

@@ -50,10 +50,6 @@ log = Logger()
 #: Transaction ids named by one batched data request.
 DATA_BATCH_SIZE = 1000
 
-#: How a server that does not serve the partition answers (see ``waltz.client.partition.NOT_SERVED_MARK``).
-_NOT_SERVED = "is not served here"
-
-
 @attr.s(slots=True)
 class _DataBatch:
     """Indexes (into the read's records) whose data one batched request asks for."""
@@ -279,17 +275,19 @@ class FeedRead:
 
     def _batch_refused(self, batch, error):
         error = error or "no reason given"
-        if _NOT_SERVED in error:
+        if m.is_not_served(error):
             self._batches.appendleft(batch)
             log.info("partition {pid}: data request answered {error!r}; looking the partition up again",
                      pid=self.partition_id, error=error)
             self._remount_later()
-        elif m.RETRY_LATER_MARK in error and batch.refusals < self._settings.max_data_fetch_retries:
-            self._batches.appendleft(attr.evolve(batch, refusals=batch.refusals + 1))
+        elif m.is_retry_later(error) and batch.refusals < self._settings.max_data_fetch_retries:
+            batch = attr.evolve(batch, refusals=batch.refusals + 1)
+            self._batches.appendleft(batch)
+            delay = self._settings.retry_later_delay(batch.refusals)
             log.info("partition {pid}: data request answered {error!r}; asking again in {delay} s",
-                     pid=self.partition_id, error=error, delay=self._settings.mount_retry_interval)
+                     pid=self.partition_id, error=error, delay=delay)
             if self._retry_call is None:       # (a pending remount sends the batches itself)
-                self._retry_call = self._reactor.callLater(self._settings.mount_retry_interval, self._send_later)
+                self._retry_call = self._reactor.callLater(delay, self._send_later)
         else:
             self._fail(TransactionDataError("partition %d: %s" % (self.partition_id, error)))
 

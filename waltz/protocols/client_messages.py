@@ -279,9 +279,27 @@ class TransactionDataBatchRequest(ClientMessage):
     transaction_ids: tuple = wire(ListOf(I64))
 
 
-#: In a failed TransactionDataBatchResponse's error: the failure is transient (the store could not read
-#: right now, e.g. no replica reachable); the client may send the request again later.
+#: In a failed data response's error: the server does not serve the partition (not, or not yet): the
+#: client looks the partition up again and resends.
+NOT_SERVED_MARK = "is not served here"
+#: In a failed data response's error: the failure is transient (the store could not read right now,
+#: e.g. no replica reachable); the client may send the request again later.
 RETRY_LATER_MARK = "try again later"
+
+
+def not_served_error(partition_id) -> str:
+    """The error a server answers a request for a partition it does not serve."""
+    return "partition %d %s" % (partition_id, NOT_SERVED_MARK)
+
+
+def is_not_served(error) -> bool:
+    """Whether a failed data response's error says the server does not serve the partition."""
+    return bool(error) and NOT_SERVED_MARK in error
+
+
+def is_retry_later(error) -> bool:
+    """Whether a failed data response's error says the failure is transient."""
+    return bool(error) and RETRY_LATER_MARK in error
 
 
 @_message

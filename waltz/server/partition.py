@@ -53,10 +53,9 @@ from zope.interface import Attribute, Interface
 
 from waltz.metrics import Registry
 from waltz.protocols.client_messages import (
-    AppendRequest, FeedRequest, FeedSuspended, FlushRequest, FlushResponse, HighWaterMarkRequest,
-    RETRY_LATER_MARK, HighWaterMarkResponse, LockFailure, MountRequest, MountResponse, MountState,
-    TransactionDataBatchRequest,
-    TransactionDataBatchResponse, TransactionDataRequest, TransactionDataResponse)
+    RETRY_LATER_MARK, AppendRequest, FeedRequest, FeedSuspended, FlushRequest, FlushResponse, HighWaterMarkRequest,
+    HighWaterMarkResponse, LockFailure, MountRequest, MountResponse, MountState, TransactionDataBatchRequest,
+    TransactionDataBatchResponse, TransactionDataRequest, TransactionDataResponse, not_served_error)
 from waltz.protocols.values import RecordHeader
 from waltz.server.caches import HEADER_BYTES, FeedCache, TransactionDataCache
 from waltz.server.feed import FeedContext, FeedScheduler
@@ -532,7 +531,7 @@ class ServerPartition:
         txn = request.transaction_id
         if self.state is PartitionState.CLOSED:
             connection.sendMessage(TransactionDataResponse.failure(
-                request.req_id, txn, "partition %d is not served here" % self.partition_id))
+                request.req_id, txn, not_served_error(self.partition_id)))
             return None
         cached = self.data_cache.get(self.partition_id, txn)
         self.metrics.cache_lookups.inc(1, "transaction-data", "hit" if cached is not None else "miss")
@@ -577,7 +576,7 @@ class ServerPartition:
         ids = request.transaction_ids
         if self.state is not PartitionState.SERVING:
             # Starting (its high-water mark not known yet) or closed: the client looks it up again.
-            error = "partition %d is not served here" % self.partition_id
+            error = not_served_error(self.partition_id)
         else:
             error = batch_request_problem(ids, self.partition_id, self.high_water_mark)
         if error is not None:

@@ -43,9 +43,9 @@ from waltz.server.partition import ClientConnection, ServerPartition
 NOT_SERVED = {
     cm.MountRequest: lambda m: cm.MountResponse(m.req_id, cm.MountState.NOT_READY),
     cm.TransactionDataRequest: lambda m: cm.TransactionDataResponse.failure(
-        m.req_id, m.transaction_id, "partition %d is not served here" % m.req_id.partition_id),
+        m.req_id, m.transaction_id, cm.not_served_error(m.req_id.partition_id)),
     cm.TransactionDataBatchRequest: lambda m: cm.TransactionDataBatchResponse.failure(
-        m.req_id, "partition %d is not served here" % m.req_id.partition_id),
+        m.req_id, cm.not_served_error(m.req_id.partition_id)),
 }
 
 
