@@ -22,7 +22,7 @@ import sys
 import time
 
 import attr
-from twisted.internet import defer, stdio, task
+from twisted.internet import defer, stdio, task, threads
 from twisted.protocols.basic import LineReceiver
 
 from waltz.client import Outcome, WaltzClient
@@ -162,6 +162,11 @@ def catch_up(client):
     return marks
 
 
+def _write_json(path, value):
+    with open(path, "w", encoding="utf-8") as stream:
+        json.dump(value, stream)
+
+
 @defer.inlineCallbacks
 def run_instance(reactor, args, channel):
     bank = Bank(lambda: open_database(args.db), reactor=reactor)
@@ -186,8 +191,7 @@ def run_instance(reactor, args, channel):
         report = {"name": args.name, "committed": workload.committed, "stats": attr.asdict(stats),
                   "high_water_marks": {str(p): m for p, m in marks.items()},
                   "catch_up_seconds": round(time.monotonic() - began, 3)}
-        with open(args.report, "w", encoding="utf-8") as stream:
-            json.dump(report, stream)
+        yield threads.deferToThread(_write_json, args.report, report)
         channel.send("finished", **attr.asdict(stats))
     finally:
         if progress.running:

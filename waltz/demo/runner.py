@@ -12,6 +12,7 @@ Each run uses fresh account numbers (``(N - 1) * 1000 + 1`` onwards), while ever
 still rebuilds its database from the whole log, earlier runs included.
 """
 
+import collections
 import json
 import os
 import sys
@@ -71,12 +72,12 @@ class InstanceProcess(protocol.ProcessProtocol):
 
     def __init__(self, name, log_path):
         self.name = name
-        self.log_path = log_path
+        self.log_path = log_path        # the process's stderr goes straight there (see _spawn)
         self.stats = {}
         self.started = {}
         self.error = None
+        self.stray = collections.deque(maxlen=5)    # the last stdout lines that were not events
         self._buffer = b""
-        self._log = open(log_path, "ab")
         self.events = {event: defer.Deferred() for event in self.EVENTS}
         self.ended = defer.Deferred()
 
@@ -92,7 +93,7 @@ class InstanceProcess(protocol.ProcessProtocol):
         except ValueError:
             message = None
         if not isinstance(message, dict):
-            self._log.write(line + b"\n")
+            self.stray.append(line.decode("utf-8", "replace"))
             return
         event = message.pop("event", None)
         if event == "error":
@@ -105,20 +106,16 @@ class InstanceProcess(protocol.ProcessProtocol):
         if event in self.events and not self.events[event].called:
             self.events[event].callback(self)
 
-    def errReceived(self, data):
-        self._log.write(data)
-        self._log.flush()
-
     def command(self, word):
         """Send ``go`` (start the workload) or ``drain`` (catch up and finish)."""
         self.transport.write(word.encode("ascii") + b"\n")
 
     def processEnded(self, reason):
-        self._log.close()
         code = reason.value.exitCode if isinstance(reason.value, (error.ProcessDone, error.ProcessTerminated)) \
             else None
+        said = self.error or " | ".join(self.stray)
         problem = InstanceError("%s exited (status %s)%s; see %s" % (
-            self.name, code, ": " + self.error if self.error else "", self.log_path))
+            self.name, code, ": " + said if said else "", self.log_path))
         for d in self.events.values():
             if not d.called:
                 d.errback(problem)
@@ -184,12 +181,16 @@ class FaultPlan:
         if self._sleep is not None and not self._sleep.called:
             self._sleep.cancel()
 
+    def _daemon(self, name):
+        """The recorded daemon ``name`` (``storage-1``...); reads its files, so not on the reactor thread."""
+        kind, index = name.rsplit("-", 1)
+        return self.cluster.daemon(kind, int(index))
+
     @defer.inlineCallbacks
     def restore(self):
         """Start again every process this plan killed and did not restart yet."""
         for name in list(self.down):
-            kind, index = name.rsplit("-", 1)
-            yield threads.deferToThread(self.cluster.daemon(kind, int(index)).start)
+            yield threads.deferToThread(lambda: self._daemon(name).start())
             self.down.remove(name)
             self.say("fault: %s restarted" % name)
 
@@ -207,11 +208,10 @@ class FaultPlan:
 
     @defer.inlineCallbacks
     def _outage(self, name, kill_at, restart_at, why=""):
-        kind, index = name.rsplit("-", 1)
-        daemon = self.cluster.daemon(kind, int(index))
         yield self._until(kill_at)
         if self.stopped:
             return
+        daemon = yield threads.deferToThread(self._daemon, name)
         pid = daemon.pid
         yield threads.deferToThread(daemon.kill)
         self.down.append(name)
@@ -255,32 +255,38 @@ class Progress:
                                   totals["retries"], totals["refused"], totals["expired"], totals["failed"], down))
 
 
-def new_run_dir(demo_dir):
-    """``<demo_dir>/run-N`` for the next N, created; returns ``(path, N)``."""
+def prepare_run(cluster, instances):
+    """Create ``<run dir>/demo/run-N`` for the next N, its client config and one directory per
+    instance (blocking: run it in a thread); returns ``(path, N)``."""
+    demo_dir = os.path.join(cluster.run_dir, "demo")
     os.makedirs(demo_dir, exist_ok=True)
     taken = [int(name[4:]) for name in os.listdir(demo_dir) if name.startswith("run-") and name[4:].isdigit()]
     number = max(taken, default=0) + 1
     path = os.path.join(demo_dir, "run-%d" % number)
-    os.makedirs(path)
+    for index in range(instances):
+        os.makedirs(os.path.join(path, "instance-%d" % index))
+    with open(os.path.join(path, "client.yaml"), "w", encoding="utf-8") as stream:
+        stream.write("zookeeper.connectString: %s\ncluster.root: %s\n" % (cluster.connect_string, cluster.root))
     return path, number
 
 
-def _write_client_config(path, cluster):
-    with open(path, "w", encoding="utf-8") as stream:
-        stream.write("zookeeper.connectString: %s\ncluster.root: %s\n" % (cluster.connect_string, cluster.root))
-
-
-def _spawn(reactor, run_dir, index, first_account, config_path, settings):
+def _spawn(reactor, run_dir, index, first_account, settings):
     name = "instance-%d" % index
     directory = os.path.join(run_dir, name)
-    os.makedirs(directory)
     process = InstanceProcess(name, os.path.join(directory, "instance.log"))
-    argv = [sys.executable, "-m", "waltz.demo.instance", "--name", name, "--config", config_path,
+    argv = [sys.executable, "-m", "waltz.demo.instance", "--name", name,
+            "--config", os.path.join(run_dir, "client.yaml"),
             "--db", os.path.join(directory, "bank.db"), "--report", os.path.join(directory, "report.json"),
             "--first-account", str(first_account), "--accounts", str(settings.accounts),
             "--duration", str(settings.duration), "--concurrency", str(settings.concurrency),
             "--seed", str(settings.seed * 1000 + index)]
-    reactor.spawnProcess(process, sys.executable, argv, env=dict(os.environ), path=directory)
+    # Its stderr goes straight to its log file: nothing is written on the reactor thread.
+    log_fd = os.open(process.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        reactor.spawnProcess(process, sys.executable, argv, env=dict(os.environ), path=directory,
+                             childFDs={0: "w", 1: "r", 2: log_fd})
+    finally:
+        os.close(log_fd)
     return process
 
 
@@ -288,15 +294,12 @@ def _spawn(reactor, run_dir, index, first_account, config_path, settings):
 def run_demo(reactor, cluster, settings=DemoSettings(), say=print):
     """Run the demo on ``cluster`` (started if needed); fires with a :class:`DemoReport`."""
     yield cluster.up(reactor, report=lambda line: None)
-    run_dir, number = new_run_dir(os.path.join(cluster.run_dir, "demo"))
+    run_dir, number = yield threads.deferToThread(prepare_run, cluster, settings.instances)
     first_account = (number - 1) * ACCOUNT_NUMBERS_PER_RUN + 1
-    config_path = os.path.join(run_dir, "client.yaml")
-    _write_client_config(config_path, cluster)
     say("demo: %d bank instances, accounts %d-%d, %.0f s%s; files in %s"
         % (settings.instances, first_account, first_account + settings.accounts - 1, settings.duration,
            ", a storage and a server killed and restarted midway" if settings.faults else "", run_dir))
-    instances = [_spawn(reactor, run_dir, i, first_account, config_path, settings)
-                 for i in range(settings.instances)]
+    instances = [_spawn(reactor, run_dir, i, first_account, settings) for i in range(settings.instances)]
     trigger = reactor.addSystemEventTrigger("before", "shutdown", lambda: [i.kill() for i in instances])
     faults = FaultPlan(reactor, cluster, settings.duration, say) if settings.faults else None
     report = DemoReport(run_dir)
