@@ -151,6 +151,23 @@ class WaltzProtocol(Protocol):
         self.transport.writeSequence((encode_frame_header(self.codec.magic, self.version, len(payload)), payload))
         self._schedule_keepalive()
 
+    def sendPayloads(self, payloads):
+        """Send messages already encoded by this protocol's codec, in one write (only after the handshake).
+
+        A payload's encoding does not depend on the version (versions only add message types), so
+        one encoding serves every connection that negotiated a version carrying the message.
+        """
+        if self.closed:
+            return
+        if self.version is None:
+            raise RuntimeError("sendPayloads before the handshake completed")
+        magic, version, parts = self.codec.magic, self.version, []
+        for payload in payloads:
+            parts.append(encode_frame_header(magic, version, len(payload)))
+            parts.append(payload)
+        self.transport.write(b"".join(parts))
+        self._schedule_keepalive()
+
     def sendKeepAlive(self):
         """Send a zero-length frame (only once the handshake completed)."""
         if self.ready:

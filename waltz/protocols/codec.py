@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 import attr
 
+from waltz.protocols.compiled import compile_message
 from waltz.protocols.errors import ChecksumError, DecodeError, ProtocolError, UnknownMessageType
 from waltz.protocols.primitives import Reader, Writer
 from waltz.protocols.values import Record, RecordHeader, ReqId, checksum
@@ -76,7 +77,11 @@ def _to_uuid(value):
 
 
 def _to_int_tuple(values):
-    return tuple(int(v) for v in values)
+    return None if values is None else tuple(map(int, values))
+
+
+def _to_bytes(value):
+    return value if type(value) is bytes else None if value is None else bytes(value)
 
 
 I32 = Scalar("i32", 4, Writer.i32, Reader.i32, nullable=False)
@@ -86,7 +91,7 @@ UUID = Scalar("UUID", 16, Writer.uuid, Reader.uuid, nullable=False, converter=_t
 INT_LIST = Scalar("int[]", 4, Writer.int_array, Reader.int_array, nullable=False,
                   converter=_to_int_tuple)
 #: Non-null byte array (transaction data).
-BYTES = Scalar("byte[]", 4, Writer.byte_array, Reader.byte_array, nullable=False, converter=bytes)
+BYTES = Scalar("byte[]", 4, Writer.byte_array, Reader.byte_array, nullable=False, converter=_to_bytes)
 #: Non-null UTF-8 string.
 STRING = Scalar("String", 4, Writer.string, Reader.string, nullable=False)
 #: UTF-8 string that may be null (length -1).
@@ -289,7 +294,23 @@ def wire(wire_type, *, only_if: str = None, only_if_not: str = None, checksum_of
     if condition is not None:
         kwargs.setdefault("default", None)
     metadata = {_WIRE: (wire_type, condition, checksum_of)}
-    return attr.ib(converter=wire_type.convert, metadata=metadata, **kwargs)
+    return attr.ib(converter=_converter(wire_type), metadata=metadata, **kwargs)
+
+
+#: Scalar converters that pass None through themselves, so attrs can call them directly.
+_NONE_SAFE_CONVERTERS = (_to_int_tuple, _to_bytes)
+
+
+def _converter(wire_type):
+    """The attrs converter for a field of ``wire_type``; None where conversion is the identity
+    (a message is built once per transaction per hop, and a converter call per field shows)."""
+    if isinstance(wire_type, Scalar) and wire_type.converter is _identity:
+        return None
+    if isinstance(wire_type, Scalar) and wire_type.converter in _NONE_SAFE_CONVERTERS:
+        return wire_type.converter
+    if isinstance(wire_type, (Value, StructOf)):
+        return None
+    return wire_type.convert
 
 
 @attr.s(frozen=True, slots=True, auto_attribs=True)
@@ -314,107 +335,49 @@ class FieldSpec:
         return text
 
 
-#: Fixed-size wire types a :class:`_FixedRun` packs with one struct call: their format characters.
+#: Fixed-size wire types the compiled fast path packs in one struct call: their format characters.
 #: ``bool`` is left out on purpose: a struct ``?`` reads any non-zero byte as true, the wire only ``1``.
 _FIXED_FORMATS = {id(I32): "i", id(I64): "q", id(REQ_ID): "iiii"}
 
 
-def _fixed_format(field):
-    """The struct format of an unconditional fixed-size field, or None when it needs the generic loop."""
-    return None if field.condition is not None else _FIXED_FORMATS.get(id(field.wire_type))
+def _plan_step(field):
+    """The :mod:`~waltz.protocols.compiled` step of one field, or None when only the generic loop handles it."""
+    if field.condition is not None:
+        return None
+    wire_type = field.wire_type
+    fmt = _FIXED_FORMATS.get(id(wire_type))
+    if fmt is not None:
+        return ("fixed", [(field.name, fmt)])
+    if wire_type is BOOL:
+        return ("bool", field.name)
+    if wire_type is BYTES:
+        return ("bytes", field.name)
+    if wire_type is INT_LIST:
+        return ("ints", field.name)
+    if isinstance(wire_type, ListOf) and type(wire_type.item) in (Value, _RecordValue):
+        return ("values", field.name, wire_type.item.cls, wire_type.item.min_size)
+    return None
 
 
-class _FieldStep:
-    """One field read and written through its wire type (variable-size or conditional fields)."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index):
-        self.index = index
-
-    def write(self, layout, w, obj):
-        layout.write_field(self.index, w, obj)
-
-    def read(self, layout, r, values):
-        layout.read_field(self.index, r, values)
-
-
-class _FixedRun:
-    """Consecutive fixed-size fields (i32, i64, ReqId) packed and unpacked with one struct call.
-
-    The generic loop costs several Python calls per field and per primitive; the hot messages
-    are mostly such runs (``FeedData``, sent and decoded once per committed transaction per
-    client, is a single run of six ints), so this is most of their encoding cost. Layout and
-    errors are those of the generic loop: any value the struct refuses, and any short body,
-    goes through the per-field steps again, which raise their precise, field-naming error.
-    """
-
-    __slots__ = ("steps", "names", "is_req_id", "struct", "what")
-
-    def __init__(self, layout, indices):
-        self.steps = tuple(_FieldStep(i) for i in indices)
-        self.names = tuple(layout.fields[i].name for i in indices)
-        self.is_req_id = tuple(layout.fields[i].wire_type is REQ_ID for i in indices)
-        self.struct = struct.Struct(">" + "".join(_fixed_format(layout.fields[i]) for i in indices))
-        self.what = "%s.%s" % (layout.name, self.names[0])
-
-    def write(self, layout, w, obj):
-        flat = []
-        for name, is_req_id in zip(self.names, self.is_req_id):
-            value = getattr(obj, name)
-            if not is_req_id:
-                flat.append(value)
-            elif type(value) is ReqId:
-                flat += (value.client_id, value.generation, value.partition_id, value.seq_num)
-            else:
-                return self._write_fields(layout, w, obj)
-        try:
-            packed = self.struct.pack(*flat)
-        except _ENCODE_ERRORS:
-            return self._write_fields(layout, w, obj)
-        w.raw(packed)
-
-    def _write_fields(self, layout, w, obj):
-        for step in self.steps:
-            step.write(layout, w, obj)
-
-    def read(self, layout, r, values):
-        if r.remaining < self.struct.size:
-            for step in self.steps:         # raises the short-body error naming the field
-                step.read(layout, r, values)
-            return
-        flat = r.unpack(self.struct, self.what)
-        k = 0
-        for is_req_id in self.is_req_id:
-            if is_req_id:
-                values.append(ReqId(flat[k], flat[k + 1], flat[k + 2], flat[k + 3]))
-                k += 4
-            else:
-                values.append(flat[k])
-                k += 1
-
-
-def _steps(layout):
-    """The layout's fields as steps: runs of two or more fixed-size fields, and single fields."""
-    steps, run = [], []
-    for i, f in enumerate(layout.fields + (None,)):
-        if f is not None and _fixed_format(f) is not None:
-            run.append(i)
-            continue
-        if len(run) > 1:
-            steps.append(_FixedRun(layout, run))
+def compile_plan(layout):
+    """The layout as a :func:`~waltz.protocols.compiled.compile_message` plan (consecutive fixed
+    fields merged into one run), or None when a field needs the generic loop."""
+    plan = []
+    for field in layout.fields:
+        step = _plan_step(field)
+        if step is None:
+            return None
+        if step[0] == "fixed" and plan and plan[-1][0] == "fixed":
+            plan[-1][1].extend(step[1])
         else:
-            steps.extend(_FieldStep(j) for j in run)
-        run = []
-        if f is not None:
-            steps.append(_FieldStep(i))
-    return tuple(steps)
+            plan.append(step)
+    return plan
 
 
 class Layout:
     """The wire fields of one attrs class, in order, with the loops that encode and decode them."""
 
-    __slots__ = ("cls", "name", "fields", "min_size", "_whats", "_conditions", "_checks", "_steps")
+    __slots__ = ("cls", "name", "fields", "min_size", "checks", "_whats", "_conditions")
 
     def __init__(self, cls):
         self.cls = cls
@@ -433,14 +396,14 @@ class Layout:
         self._conditions = tuple(
             None if f.condition is None else (names.index(f.condition[0]), f.condition[1])
             for f in fields)
-        self._checks = tuple(
+        #: (checksum field index, data field index) pairs verified on decode.
+        self.checks = tuple(
             (i, names.index(f.checksum_of)) for i, f in enumerate(fields) if f.checksum_of)
-        self._steps = _steps(self)
 
     def write(self, w: Writer, obj):
         """Append ``obj``'s fields to ``w``; ``ValueError`` names a field the wire cannot hold."""
-        for step in self._steps:
-            step.write(self, w, obj)
+        for index in range(len(self.fields)):
+            self.write_field(index, w, obj)
 
     def write_field(self, index, w: Writer, obj):
         """Append field ``index`` of ``obj`` (nothing when its condition leaves it off the wire)."""
@@ -459,9 +422,9 @@ class Layout:
     def read(self, r: Reader):
         """Read one instance; verifies declared checksums."""
         values = []
-        for step in self._steps:
-            step.read(self, r, values)
-        for crc_index, data_index in self._checks:
+        for index in range(len(self.fields)):
+            self.read_field(index, r, values)
+        for crc_index, data_index in self.checks:
             self._verify(values[crc_index], values[data_index])
         try:
             return self.cls(*values)
@@ -496,12 +459,18 @@ class Layout:
 
 @attr.s(frozen=True, slots=True, auto_attribs=True)
 class MessageSpec:
-    """One row of a codec table: type code, message class, layout, first version carrying it."""
+    """One row of a codec table: type code, message class, layout, first version carrying it.
+
+    ``fast_encode``/``fast_decode`` are the compiled shortcuts of :mod:`waltz.protocols.compiled`
+    (None when the layout has a field only the generic loop handles).
+    """
 
     code: int
     cls: type
     layout: Layout
     min_version: int
+    fast_encode: object = None
+    fast_decode: object = None
 
     @property
     def name(self) -> str:
@@ -534,7 +503,11 @@ class MessageCodec:
             raise TypeError("%s is not a %s" % (cls.__name__, self.base.__name__))
         if not 0 <= code <= 255 or code in self._by_code:
             raise ValueError("bad or duplicate type code %r for %s" % (code, cls.__name__))
-        spec = MessageSpec(code, cls, Layout(cls), getattr(cls, "MIN_VERSION", self.versions[0]))
+        layout = Layout(cls)
+        plan = compile_plan(layout)
+        fast = (None, None) if plan is None else compile_message(
+            cls, code, plan, [(layout.fields[c].name, layout.fields[d].name) for c, d in layout.checks])
+        spec = MessageSpec(code, cls, layout, getattr(cls, "MIN_VERSION", self.versions[0]), *fast)
         self._by_code[code] = spec
         self._by_class[cls] = spec
 
@@ -569,6 +542,11 @@ class MessageCodec:
         if version < spec.min_version:
             raise ValueError("%s (type %d) needs %s version %d or later, not %d"
                              % (spec.name, spec.code, self.family, spec.min_version, version))
+        if spec.fast_encode is not None:
+            try:
+                return spec.fast_encode(message)
+            except Exception:  # noqa: BLE001 - the generic loop gives the result or the precise error
+                pass
         w = Writer().u8(spec.code)
         spec.layout.write(w, message)
         return w.getvalue()
@@ -585,6 +563,12 @@ class MessageCodec:
     def _decode(self, payload, version):
         if version not in self.versions:
             raise DecodeError("family %s has no version %r" % (self.family, version))
+        spec = self._by_code.get(payload[0]) if payload else None
+        if spec is not None and spec.fast_decode is not None and version >= spec.min_version:
+            try:
+                return spec.fast_decode(payload)
+            except Exception:  # noqa: BLE001 - the generic loop gives the result or the precise error
+                pass
         r = Reader(payload)
         code = r.u8("message type")
         spec = self._by_code.get(code)

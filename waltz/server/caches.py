@@ -6,7 +6,7 @@ of a server (reference section 6: a 64 MiB feed cache in blocks of 64
 headers, a 128 MiB transaction data cache).
 
 * :class:`FeedCache` keeps committed record headers (the original ``ReqId``,
-  transaction id, header: what a ``FeedData`` carries), in blocks of
+  transaction id, header) as encoded ``FeedData`` payloads, in blocks of
   :attr:`FeedCache.BLOCK_SIZE` consecutive transaction ids; a block
   is the unit of eviction and of a catch-up read from the store
   (:meth:`FeedCache.block_remainder`). Each header is charged
@@ -24,17 +24,18 @@ thousands of entries for as long as the server runs. Were each one an object
 the cycle collector tracks (an attrs instance, a ``ReqId``), every full
 collection would walk all of them: with a few hundred thousand entries that
 was a pause of about 80 ms of the whole server (every append and feed of every
-partition waiting), growing with the cache. So entries are exact tuples of
-ints and bytes, which CPython stops tracking at their first collection, and
-messages and :class:`CachedData` are built when an entry is read.
+partition waiting), growing with the cache. So entries are bytes (the
+encoded ``FeedData``) and exact tuples of bytes and ints, which CPython stops
+tracking at their first collection; :class:`CachedData` is built when an entry
+is read.
 """
 
 import collections
 
-from waltz.protocols.client_messages import FeedData
-from waltz.protocols.values import ReqId
+from waltz.protocols.client_messages import CLIENT_CODEC, FeedData
 
-#: Bytes charged per header slot of a feed cache block (a rough CPython size of a six-int tuple entry).
+#: Bytes charged per header slot of a feed cache block (a rough bound: the 62-byte bytes object of an
+#: encoded FeedData, its slot in the block, and the block's share of the LRU bookkeeping).
 HEADER_BYTES = 160
 #: Bytes charged per transaction data entry on top of the data itself.
 DATA_ENTRY_OVERHEAD = 96
@@ -125,10 +126,7 @@ class FeedCache:
             block = [None] * self.BLOCK_SIZE
             if not self._blocks.store(key, block, self.BLOCK_SIZE * HEADER_BYTES):
                 return
-        req_id = header.req_id
-        # A flat tuple of ints: untracked by the cycle collector (see the module doc).
-        block[offset] = (req_id.client_id, req_id.generation, req_id.partition_id, req_id.seq_num,
-                         header.transaction_id, header.header)
+        block[offset] = feed_payload(header)
 
     def add_all(self, partition_id: int, headers):
         for header in headers:
@@ -140,10 +138,11 @@ class FeedCache:
         if block is None:
             return None
         entry = block[transaction_id % self.BLOCK_SIZE]
-        return None if entry is None else _feed_data(entry)
+        return None if entry is None else CLIENT_CODEC.decode(entry, FEED_PAYLOAD_VERSION)
 
     def get_run(self, partition_id: int, transaction_id: int, max_count: int) -> list:
-        """Up to ``max_count`` cached ``FeedData`` of consecutive ids from ``transaction_id`` (stops at a gap)."""
+        """Up to ``max_count`` cached feed payloads (see :func:`feed_payload`) of consecutive ids from
+        ``transaction_id`` (stops at a gap)."""
         run = []
         next_id = transaction_id
         while len(run) < max_count:
@@ -155,7 +154,7 @@ class FeedCache:
             for entry in block[offset:end]:
                 if entry is None:
                     return run
-                run.append(_feed_data(entry))
+                run.append(entry)
             next_id += end - offset
         return run
 
@@ -163,9 +162,19 @@ class FeedCache:
         self._blocks.discard_where(lambda key: key[0] == partition_id)
 
 
-def _feed_data(entry) -> FeedData:
-    client_id, generation, partition_id, seq_num, transaction_id, header = entry
-    return FeedData(ReqId(client_id, generation, partition_id, seq_num), transaction_id, header)
+#: The ``L`` version feed payloads are encoded with. A message's encoding is the same in every
+#: version that carries it (versions only add message types), and ``FeedData`` is in all of them.
+FEED_PAYLOAD_VERSION = CLIENT_CODEC.versions[0]
+
+
+def feed_payload(header) -> bytes:
+    """The encoded ``FeedData`` payload of a ``RecordHeader``, ready for any client's feed.
+
+    A committed transaction goes to every mounted client: encoding it once, here, instead of
+    once per client is most of what the feed costs per transaction.
+    """
+    return CLIENT_CODEC.encode(FeedData(header.req_id, header.transaction_id, header.header),
+                               FEED_PAYLOAD_VERSION)
 
 
 class CachedData(collections.namedtuple("CachedData", "data checksum")):

@@ -37,8 +37,7 @@ import attr
 from twisted.internet import defer
 from twisted.logger import Logger
 
-from waltz.protocols.client_messages import FeedData
-from waltz.server.caches import FeedCache
+from waltz.server.caches import FeedCache, feed_payload
 
 
 class FeedKind(enum.Enum):
@@ -199,17 +198,17 @@ class FeedScheduler:
         return self._send_run(feed, run, wanted, True)
 
     def _send_run(self, feed, run, wanted, from_cache) -> tuple:
-        """Send ``run`` (consecutive ``FeedData`` from the feed's next id) while the connection is writable."""
+        """Send ``run`` (consecutive feed payloads from the feed's next id) if the connection is writable.
+
+        The run goes out in one write: a turn can fill the transport past its buffer size by at
+        most one run (``items_per_turn`` items of 36 bytes), and the next turn waits until it drains.
+        """
         connection = feed.connection
-        sent = 0
-        for item in run:
-            if not connection.writable:
-                break
-            connection.sendMessage(item)
-            sent += 1
-        feed.next_transaction_id += sent
-        feed.remaining -= sent
+        sent = len(run) if connection.writable else 0
         if sent:
+            connection.sendPayloads(run)
+            feed.next_transaction_id += sent
+            feed.remaining -= sent
             self._on_sent(sent, from_cache)
         if feed.remaining <= 0:
             self._feeds.pop(connection, None)
@@ -243,7 +242,7 @@ class FeedScheduler:
             if 0 <= start < len(headers):
                 limit = self.items_per_turn if self.kind_of(feed) is FeedKind.REALTIME else self.catch_up_chunk
                 wanted = min(limit, feed.remaining, feed.behind(self.high_water_mark))
-                run = [FeedData(h.req_id, h.transaction_id, h.header) for h in headers[start:start + wanted]]
+                run = [feed_payload(h) for h in headers[start:start + wanted]]
                 self._send_run(feed, run, wanted, False)
         self.wake()
 

@@ -27,7 +27,6 @@ rules never let a conflicting transaction through (no false negatives); hash
 collisions only cause spurious failures (false positives).
 """
 
-import collections
 import enum
 
 import attr
@@ -45,13 +44,14 @@ _MASK32 = 0xFFFFFFFF
 
 
 def lock_slots(lock_hash: int, table_size: int) -> tuple:
-    """The :data:`NUM_HASH_FUNCTIONS` table slots of ``lock_hash`` (with repeats when they collide)."""
-    h = lock_hash & _MASK32
-    slots = []
-    for _ in range(NUM_HASH_FUNCTIONS):
-        h = (h * LCG_MULTIPLIER + LCG_INCREMENT) & _MASK32
-        slots.append((h & SLOT_MASK) % table_size)
-    return tuple(slots)
+    """The :data:`NUM_HASH_FUNCTIONS` table slots of ``lock_hash`` (with repeats when they collide).
+
+    Unrolled for the three hash functions: this runs for every lock of every append.
+    """
+    h1 = ((lock_hash & _MASK32) * LCG_MULTIPLIER + LCG_INCREMENT) & _MASK32
+    h2 = (h1 * LCG_MULTIPLIER + LCG_INCREMENT) & _MASK32
+    h3 = (h2 * LCG_MULTIPLIER + LCG_INCREMENT) & _MASK32
+    return (h1 & SLOT_MASK) % table_size, (h2 & SLOT_MASK) % table_size, (h3 & SLOT_MASK) % table_size
 
 
 @attr.s(frozen=True, slots=True)
@@ -120,7 +120,7 @@ class LockTable:
         self._marks = [high_water_mark] * size
         # Lock hashes that in-flight requests will raise on commit. Only the same lock can conflict: two locks
         # that merely share slots do not, so tracking hashes (not slots) avoids false waits.
-        self._in_flight = collections.Counter()
+        self._in_flight = {}   # lock hash -> in-flight requests updating it
         self.held = 0
 
     def slots(self, lock_hash: int) -> tuple:
@@ -135,6 +135,17 @@ class LockTable:
         """The estimate of a request: the maximum over its write and read locks, ``-1`` without any."""
         return self._estimate_of([self.slots(h) for h in request.checked])
 
+    def _request_estimate(self, checked) -> int:
+        """:meth:`estimate` of the ``checked`` hashes, as plain loops (the append task's hot path)."""
+        marks, size = self._marks, self.size
+        estimate = -1
+        for h in checked:
+            a, b, c = lock_slots(h, size)
+            mark = min(marks[a], marks[b], marks[c])
+            if mark > estimate:
+                estimate = mark
+        return estimate
+
     def in_flight_conflict(self, request: LockRequest) -> bool:
         """True when a checked lock is one an in-flight request will update."""
         in_flight = self._in_flight
@@ -142,8 +153,10 @@ class LockTable:
 
     def check(self, request: LockRequest, client_high_water_mark: int) -> LockCheck:
         """Decide ``request`` for a client that has seen transactions up to ``client_high_water_mark``."""
-        estimate = self._estimate_of([self.slots(h) for h in request.checked])
-        if self.in_flight_conflict(request):
+        checked = request.checked
+        estimate = self._request_estimate(checked)
+        in_flight = self._in_flight
+        if in_flight and any(h in in_flight for h in checked):
             return LockCheck(LockOutcome.IN_FLIGHT, estimate)
         outcome = LockOutcome.FAILED if estimate > client_high_water_mark else LockOutcome.GRANTED
         return LockCheck(outcome, estimate)
@@ -155,7 +168,9 @@ class LockTable:
     def begin(self, request: LockRequest) -> HeldLocks:
         """Mark the locks ``request`` will update as in flight; settle with :meth:`commit` or :meth:`release`."""
         hashes = request.updated
-        self._in_flight.update(hashes)
+        in_flight = self._in_flight
+        for h in hashes:
+            in_flight[h] = in_flight.get(h, 0) + 1
         self.held += 1
         return HeldLocks(hashes, tuple(slot for h in hashes for slot in self.slots(h)))
 
@@ -171,8 +186,10 @@ class LockTable:
         """The request settled without committing (or after :meth:`commit`): no longer in flight."""
         in_flight = self._in_flight
         for h in held.hashes:
-            in_flight[h] -= 1
-            if not in_flight[h]:
+            count = in_flight[h] - 1
+            if count:
+                in_flight[h] = count
+            else:
                 del in_flight[h]
         self.held -= 1
 

@@ -72,6 +72,9 @@ class ClientConnection(Interface):
     def sendMessage(message):
         """Send one ``L`` message."""
 
+    def sendPayloads(payloads):
+        """Send ``L`` messages already encoded (the feed encodes each ``FeedData`` once for every client)."""
+
 
 class PartitionClosed(Exception):
     """The partition closed (moved to another server) before the request could be served."""

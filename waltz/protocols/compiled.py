@@ -1,0 +1,151 @@
+"""Straight-line encoders and decoders generated from a message's layout (the codec's fast path).
+
+The table-driven loop of :mod:`waltz.protocols.codec` costs several Python calls
+per field. The messages sent once or more per transaction (``AppendRequest``,
+``FeedData``, the storage appends and their responses) are decoded and encoded
+millions of times, so for each message class whose fields are all of the simple
+kinds below, :func:`compile_message` generates one function that encodes it and
+one that decodes it, with no loop and no per-field call: a run of fixed-size
+fields is one struct call, a byte array is a length and a slice.
+
+The generated functions are only a shortcut. They raise on anything unusual (a
+short or overlong body, a bad length, a checksum mismatch, a value the wire cannot
+hold, an unexpected type), and the codec then runs the generic loop on the same
+input, which gives the result or the precise, field-naming error. So the two paths
+cannot disagree on what a valid message is: the generic loop stays the definition,
+and ``tests/protocols/test_codec_compiled.py`` checks that both give the same bytes
+and values.
+
+A layout is described to :func:`compile_message` as a *plan*, a list of steps:
+
+* ``("fixed", [(name, fmt), ...])``: consecutive fixed-size fields; ``fmt`` is a
+  struct format, ``"iiii"`` for a :class:`~waltz.protocols.values.ReqId`;
+* ``("bool", name)``: one byte, true when it is 1 (written as 1 or 0);
+* ``("bytes", name)``: an i32 length and that many bytes (never null here);
+* ``("ints", name)``: an i32 count and that many i32;
+* ``("values", name, cls, min_size)``: an i32 count and that many ``cls`` values,
+  each with its own ``encode(writer)`` / ``decode(reader)``.
+
+and ``checks``: ``(crc field, data field)`` pairs whose CRC32C is verified on decode.
+"""
+
+import struct
+
+from waltz.protocols.primitives import Reader, Writer
+from waltz.protocols.values import ReqId, checksum
+
+_I32 = struct.Struct(">i")
+_INT_RUNS = {}
+
+
+def _ints_struct(count):
+    """The struct of ``count`` big-endian i32 (cached: lock lists come in a few lengths)."""
+    s = _INT_RUNS.get(count)
+    if s is None:
+        s = _INT_RUNS[count] = struct.Struct(">%di" % count)
+    return s
+
+
+class _Invalid(Exception):
+    """Raised by generated code for input it leaves to the generic loop."""
+
+
+def _encode_values(values, cls):
+    w = Writer()
+    for value in values:
+        if type(value) is not cls:
+            raise _Invalid()
+        value.encode(w)
+    return w.getvalue()
+
+
+def _decode_values(view, pos, end, count, cls):
+    r = Reader(view, pos, end)
+    return tuple([cls.decode(r) for _ in range(count)]), r.position
+
+
+def compile_message(cls, code: int, plan, checks):
+    """``(encode, decode)`` for ``cls``: ``encode(message) -> payload`` (type code first) and
+    ``decode(payload) -> message`` for a payload whose first byte is ``code``.
+
+    Both raise (any exception) where the caller must use the generic loop instead.
+    """
+    namespace = {"cls": cls, "ReqId": ReqId, "Invalid": _Invalid, "I32": _I32, "ints_struct": _ints_struct,
+                 "checksum": checksum, "encode_values": _encode_values, "decode_values": _decode_values}
+    # Field values live in f_/v_ locals, so a field named like a helper (AppendRequest.checksum) cannot shadow it.
+    namespace["CODE"] = bytes([code])
+    enc, dec = [], []
+    for k, step in enumerate(plan):
+        kind, name = step[0], step[1]
+        if kind == "fixed":
+            fmt = "".join(f for _, f in name)
+            packed, targets = [], []
+            if k == 0:  # the type code rides in the first run's struct
+                fmt, packed, targets = "B" + fmt, ["%d" % code], ["_code"]
+            namespace["S%d" % k] = s = struct.Struct(">" + fmt)
+            for field, f in name:
+                enc.append("v_%s = m.%s" % (field, field))
+                if f == "iiii":
+                    enc.append("if type(v_%s) is not ReqId: raise Invalid()" % field)
+                    packed += ["v_%s.%s" % (field, a) for a in ("client_id", "generation", "partition_id", "seq_num")]
+                    targets += ["f_%s_%d" % (field, i) for i in range(4)]
+                else:
+                    packed.append("v_%s" % field)
+                    targets.append("f_" + field)
+            enc.append("parts.append(S%d.pack(%s))" % (k, ", ".join(packed)))
+            dec.append("%s, = S%d.unpack_from(view, pos)" % (", ".join(targets), k))
+            dec.append("pos += %d" % s.size)
+            for field, f in name:
+                if f == "iiii":
+                    dec.append("f_%s = ReqId(%s)" % (field, ", ".join("f_%s_%d" % (field, i) for i in range(4))))
+        elif kind == "bool":
+            enc.append("parts.append(b'\\x01' if m.%s else b'\\x00')" % name)
+            dec.append("f_%s = view[pos] == 1" % name)
+            dec.append("pos += 1")
+        elif kind == "bytes":
+            enc.append("v_%s = m.%s" % (name, name))
+            enc.append("if type(v_%s) is not bytes: raise Invalid()" % name)
+            enc.append("parts.append(I32.pack(len(v_%s)))" % name)
+            enc.append("parts.append(v_%s)" % name)
+            dec.append("n, = I32.unpack_from(view, pos)")
+            dec.append("pos += 4")
+            dec.append("if n < 0 or n > end - pos: raise Invalid()")
+            dec.append("f_%s = bytes(view[pos:pos + n])" % name)
+            dec.append("pos += n")
+        elif kind == "ints":
+            enc.append("v_%s = m.%s" % (name, name))
+            enc.append("parts.append(I32.pack(len(v_%s)))" % name)
+            enc.append("parts.append(ints_struct(len(v_%s)).pack(*v_%s))" % (name, name))
+            dec.append("n, = I32.unpack_from(view, pos)")
+            dec.append("pos += 4")
+            dec.append("if n < 0 or 4 * n > end - pos: raise Invalid()")
+            dec.append("f_%s = ints_struct(n).unpack_from(view, pos)" % name)
+            dec.append("pos += 4 * n")
+        elif kind == "values":
+            value_cls, min_size = step[2], step[3]
+            namespace["T%d" % k] = value_cls
+            enc.append("v_%s = m.%s" % (name, name))
+            enc.append("parts.append(I32.pack(len(v_%s)))" % name)
+            enc.append("parts.append(encode_values(v_%s, T%d))" % (name, k))
+            dec.append("n, = I32.unpack_from(view, pos)")
+            dec.append("pos += 4")
+            dec.append("if n < 0 or %d * n > end - pos: raise Invalid()" % max(1, min_size))
+            dec.append("f_%s, pos = decode_values(view, pos, end, n, T%d)" % (name, k))
+        else:
+            raise ValueError("step kind %r cannot be compiled" % kind)
+    if not plan or plan[0][0] != "fixed":
+        enc.insert(0, "parts.append(CODE)")
+    for crc_field, data_field in checks:
+        dec.append("if checksum(f_%s) != f_%s: raise Invalid()" % (data_field, crc_field))
+    dec.append("if pos != end: raise Invalid()")
+    fields = [field for step in plan for field in ([f for f, _ in step[1]] if step[0] == "fixed" else [step[1]])]
+    dec.append("return cls(%s)" % ", ".join("f_" + field for field in fields))
+    source = "def encode(m):\n    parts = []\n%s\n    return b''.join(parts)\n\n" % _indent(enc)
+    start = 0 if plan and plan[0][0] == "fixed" else 1  # where the body starts, for the first step
+    source += "def decode(view):\n    pos = %d\n    end = len(view)\n%s\n" % (start, _indent(dec))
+    exec(compile(source, "<waltz codec for %s>" % cls.__name__, "exec"), namespace)  # noqa: S102 (our own source)
+    return namespace["encode"], namespace["decode"]
+
+
+def _indent(lines):
+    return "\n".join("    " + line for line in lines)
