@@ -416,7 +416,7 @@ class ClientPartition:
         except Exception:
             self._apply_failed(Failure(), item)
             return
-        if isinstance(result, defer.Deferred):
+        if result is not None and isinstance(result, defer.Deferred):  # (isinstance of an ABC is slow)
             result.addCallbacks(self._applied, self._apply_failed, callbackArgs=(item,), errbackArgs=(item,))
         else:
             self._applied(result, item)
@@ -487,8 +487,12 @@ class ClientPartition:
         if error is not None:
             submission.failed(error)
             return
-        self._queue(self._waiting, submission)
+        self._waiting.append(submission)
         self._pump()
+        if not submission.attempts and not submission.done:
+            # Still waiting for room: expire it in time. (One attempted at once needs no timer: the
+            # attempt checks expiry itself, and a timer armed and cancelled per append is not free.)
+            self._arm_expiry(submission)
 
     def _refusal(self):
         if self.state is PartitionState.CLOSED:
@@ -573,7 +577,7 @@ class ClientPartition:
         except Exception:
             self._execute_failed(Failure(), submission)
             return
-        if isinstance(proceed, defer.Deferred):
+        if proceed is not True and isinstance(proceed, defer.Deferred):  # (isinstance of an ABC is slow)
             self._building.add(submission)
             mount = self._mount_req_id
             proceed.addCallbacks(self._built_later, self._build_failed_later,
@@ -640,6 +644,8 @@ class ClientPartition:
         return d
 
     def _release_apply_waiters(self):
+        if not self._apply_waiters:
+            return
         ready = [d for txn, d in self._apply_waiters if txn <= self.applied_hwm]
         if ready:
             self._apply_waiters = [(txn, d) for txn, d in self._apply_waiters if txn > self.applied_hwm]

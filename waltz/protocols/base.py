@@ -262,7 +262,7 @@ class WaltzProtocol(Protocol):
 
     def _deliver(self, message):
         result = self.messageReceived(message)
-        if isinstance(result, defer.Deferred):
+        if result is not None and isinstance(result, defer.Deferred):  # (isinstance of an ABC is slow)
             self._pending_inbound += 1
             if self._pending_inbound >= self.inbound_high_watermark:
                 self._pause_reading()

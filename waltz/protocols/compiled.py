@@ -31,6 +31,8 @@ and ``checks``: ``(crc field, data field)`` pairs whose CRC32C is verified on de
 
 import struct
 
+import attr
+
 from waltz.protocols.primitives import Reader, Writer
 from waltz.protocols.values import ReqId, checksum
 
@@ -139,12 +141,28 @@ def compile_message(cls, code: int, plan, checks):
         dec.append("if checksum(f_%s) != f_%s: raise Invalid()" % (data_field, crc_field))
     dec.append("if pos != end: raise Invalid()")
     fields = [field for step in plan for field in ([f for f, _ in step[1]] if step[0] == "fixed" else [step[1]])]
-    dec.append("return cls(%s)" % ", ".join("f_" + field for field in fields))
+    if trusted_construction(cls):
+        # Decoded values already have their exact types (ints, tuples of ints, bytes): set them
+        # directly instead of running the class's converters again.
+        namespace["new"], namespace["setattr"] = object.__new__, object.__setattr__
+        dec.append("o = new(cls)")
+        dec.extend("setattr(o, %r, f_%s)" % (field, field) for field in fields)
+        dec.append("return o")
+    else:
+        dec.append("return cls(%s)" % ", ".join("f_" + field for field in fields))
     source = "def encode(m):\n    parts = []\n%s\n    return b''.join(parts)\n\n" % _indent(enc)
     start = 0 if plan and plan[0][0] == "fixed" else 1  # where the body starts, for the first step
     source += "def decode(view):\n    pos = %d\n    end = len(view)\n%s\n" % (start, _indent(dec))
     exec(compile(source, "<waltz codec for %s>" % cls.__name__, "exec"), namespace)  # noqa: S102 (our own source)
     return namespace["encode"], namespace["decode"]
+
+
+def trusted_construction(cls) -> bool:
+    """True when ``cls`` can be built field by field from decoded values: an attrs class with slots
+    whose ``__init__`` only converts (no validators, no post-init hook, no other field)."""
+    fields = attr.fields(cls)
+    return (hasattr(cls, "__slots__") and not hasattr(cls, "__attrs_post_init__")
+            and all(f.validator is None and f.init for f in fields))
 
 
 def _indent(lines):
