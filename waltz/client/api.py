@@ -45,10 +45,11 @@ def lock_hashes(locks) -> tuple:
     """The hashes of ``locks``: :class:`PartitionLocalLock` objects or ``(name, id)`` pairs."""
     hashes = []
     for lock in locks or ():
-        if not isinstance(lock, PartitionLocalLock):
+        if isinstance(lock, PartitionLocalLock):
+            hashes.append(lock_hash(lock.name, lock.id))
+        else:
             name, lock_id = lock
-            lock = PartitionLocalLock(name, lock_id)
-        hashes.append(lock.hash)
+            hashes.append(lock_hash(name, lock_id))
     return tuple(hashes)
 
 
