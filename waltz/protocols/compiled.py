@@ -34,7 +34,7 @@ import struct
 import attr
 
 from waltz.protocols.primitives import Reader, Writer
-from waltz.protocols.values import ReqId, checksum
+from waltz.protocols.values import RECORD_PREFIX, Record, ReqId, checksum
 
 _I32 = struct.Struct(">i")
 _INT_RUNS = {}
@@ -52,18 +52,67 @@ class _Invalid(Exception):
     """Raised by generated code for input it leaves to the generic loop."""
 
 
+#: ``(values, their encoding)`` of the last list encoded: a batch goes to every replica in its own
+#: message, so the same records tuple is encoded several times in a row (tuples of frozen values do
+#: not change, and the memo holds the tuple, so its identity cannot be reused meanwhile).
+_last_encoded = (None, None)
+
+
 def _encode_values(values, cls):
-    w = Writer()
-    for value in values:
-        if type(value) is not cls:
+    global _last_encoded
+    memo = _last_encoded
+    if memo[0] is values:
+        return memo[1]
+    if cls is Record:
+        body = _encode_records(values)
+    else:
+        w = Writer()
+        for value in values:
+            if type(value) is not cls:
+                raise _Invalid()
+            value.encode(w)
+        body = w.getvalue()
+    _last_encoded = (values, body)
+    return body
+
+
+def _encode_records(records):
+    """:meth:`Record.encode` of every record, inline (a batch holds up to hundreds)."""
+    parts = []
+    pack, pack_i32 = RECORD_PREFIX.pack, _I32.pack
+    for record in records:
+        req_id, data = record.req_id, record.data
+        if type(record) is not Record or type(req_id) is not ReqId or type(data) is not bytes:
             raise _Invalid()
-        value.encode(w)
-    return w.getvalue()
+        parts.append(pack(record.transaction_id, req_id.client_id, req_id.generation, req_id.partition_id,
+                          req_id.seq_num, record.header, len(data)))
+        parts.append(data)
+        parts.append(pack_i32(record.checksum))
+    return b"".join(parts)
 
 
 def _decode_values(view, pos, end, count, cls):
+    if cls is Record:
+        return _decode_records(view, pos, end, count)
     r = Reader(view, pos, end)
     return tuple([cls.decode(r) for _ in range(count)]), r.position
+
+
+def _decode_records(view, pos, end, count):
+    """:meth:`Record.decode` of ``count`` records from ``pos``, inline; ``(records, next position)``."""
+    records = []
+    unpack, unpack_i32, prefix = RECORD_PREFIX.unpack_from, _I32.unpack_from, RECORD_PREFIX.size
+    for _ in range(count):
+        txn, client_id, generation, partition_id, seq_num, header, length = unpack(view, pos)
+        pos += prefix
+        if length < 0 or length + 4 > end - pos:
+            raise _Invalid()
+        data = bytes(view[pos:pos + length])
+        pos += length
+        crc, = unpack_i32(view, pos)
+        pos += 4
+        records.append(Record(txn, ReqId(client_id, generation, partition_id, seq_num), header, data, crc))
+    return tuple(records), pos
 
 
 def compile_message(cls, code: int, plan, checks):

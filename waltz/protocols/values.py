@@ -102,14 +102,14 @@ class Record:
 
     def encode(self, w: Writer) -> Writer:
         r = self.req_id
-        w.pack(_RECORD_PREFIX, self.transaction_id, r.client_id, r.generation, r.partition_id, r.seq_num,
+        w.pack(RECORD_PREFIX, self.transaction_id, r.client_id, r.generation, r.partition_id, r.seq_num,
                self.header, len(self.data))
         w.raw(self.data)
         return w.i32(self.checksum)
 
     @classmethod
     def decode(cls, r: Reader) -> "Record":
-        txn, client_id, generation, partition_id, seq_num, header, length = r.unpack(_RECORD_PREFIX, "record")
+        txn, client_id, generation, partition_id, seq_num, header, length = r.unpack(RECORD_PREFIX, "record")
         if length < 0:
             raise DecodeError("record %d has null data" % txn if length == -1
                               else "record %d has a bad data length %d" % (txn, length))
@@ -118,4 +118,4 @@ class Record:
 
 
 #: Record fields up to the data: transaction id, ReqId, header, data length (one struct call, not seven).
-_RECORD_PREFIX = struct.Struct(">qiiiiii")
+RECORD_PREFIX = struct.Struct(">qiiiiii")
