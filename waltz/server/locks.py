@@ -172,7 +172,10 @@ class LockTable:
         for h in hashes:
             in_flight[h] = in_flight.get(h, 0) + 1
         self.held += 1
-        return HeldLocks(hashes, tuple(slot for h in hashes for slot in self.slots(h)))
+        slots, size = [], self.size
+        for h in hashes:
+            slots += lock_slots(h, size)
+        return HeldLocks(hashes, slots)
 
     def commit(self, held: HeldLocks, transaction_id: int):
         """The request committed as ``transaction_id``: raise its slots, then release them."""
