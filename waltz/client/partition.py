@@ -403,11 +403,13 @@ class ClientPartition:
     def _apply(self, item):
         if not item.detected:
             item.detected = True
-            item.submission, failed = self.monitor.committed(item.req_id)
-            for submission in failed:
-                self._attempt_failed(submission)
-            if item.submission is not None:
-                item.submission.committed(item.transaction_id)
+            # Most of the feed is other clients' transactions: only this client's can settle an append.
+            if item.req_id.client_id == self.client_id:
+                item.submission, failed = self.monitor.committed(item.req_id)
+                for submission in failed:
+                    self._attempt_failed(submission)
+                if item.submission is not None:
+                    item.submission.committed(item.transaction_id)
         transaction = Transaction(self.partition_id, item.transaction_id, item.header, item.req_id, self)
         # Called directly rather than through maybeDeferred: the usual apply is synchronous, and
         # two Deferreds per item per client were a large share of the client's CPU per transaction.
