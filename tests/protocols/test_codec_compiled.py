@@ -122,3 +122,21 @@ def test_a_bad_checksum_is_a_checksum_error():
     payload[-1] ^= 1
     with pytest.raises(ChecksumError):
         L.CLIENT_CODEC.decode(bytes(payload), 4)
+
+
+def test_only_classes_without_validators_or_hooks_are_built_field_by_field():
+    from waltz.protocols.compiled import trusted_construction
+
+    @attr.s(frozen=True, slots=True)
+    class Checked:
+        value = attr.ib(validator=attr.validators.instance_of(int))
+
+    @attr.s(frozen=True, slots=True)
+    class Hooked:
+        value = attr.ib()
+
+        def __attrs_post_init__(self):
+            pass
+
+    assert trusted_construction(L.FeedData) and trusted_construction(L.AppendRequest)
+    assert not trusted_construction(Checked) and not trusted_construction(Hooked)

@@ -279,3 +279,21 @@ def test_two_real_peers_negotiate_and_exchange_messages():
     assert server.version == client.version == 2
     assert server.received == [b"hello server"]
     assert client.received == [b"hello client"]
+
+
+def test_encoded_payloads_go_out_as_frames_in_one_write():
+    proto, transport = ready()
+    writes = []
+    transport.write = lambda data, write=transport.write: (writes.append(data), write(data))
+    proto.sendPayloads([b"\x01ab", b"\x01c"])
+    assert writes == [frame(b"ab") + frame(b"c")]
+    with pytest.raises(RuntimeError):
+        RecordingProtocol().sendPayloads([b"\x01x"])    # no version negotiated yet
+
+
+def test_good_frames_of_one_read_are_delivered_before_a_bad_one_closes(logged):
+    proto, transport = ready()
+    proto.dataReceived(frame(b"a") + frame(b"b") + frame(b"c", magic=b"X") + frame(b"d"))
+    assert proto.received == [b"a", b"b"]
+    assert transport.disconnecting
+    assert any("wrong magic" in r for r in reasons(logged))
