@@ -122,88 +122,110 @@ def compile_message(cls, code: int, plan, checks):
     Both raise (any exception) where the caller must use the generic loop instead.
     """
     namespace = {"cls": cls, "ReqId": ReqId, "Invalid": _Invalid, "I32": _I32, "ints_struct": _ints_struct,
-                 "checksum": checksum, "encode_values": _encode_values, "decode_values": _decode_values}
-    # Field values live in f_/v_ locals, so a field named like a helper (AppendRequest.checksum) cannot shadow it.
-    namespace["CODE"] = bytes([code])
+                 "checksum": checksum, "encode_values": _encode_values, "decode_values": _decode_values,
+                 "CODE": bytes([code])}
+    # Field values live in f_/v_ locals, so a field named like a helper (AppendRequest.checksum) cannot
+    # shadow it. Step k's constants are S<k> (a struct) and T<k> (a value class).
     enc, dec = [], []
     for k, step in enumerate(plan):
-        kind, name = step[0], step[1]
-        if kind == "fixed":
-            fmt = "".join(f for _, f in name)
-            packed, targets = [], []
-            if k == 0:  # the type code rides in the first run's struct
-                fmt, packed, targets = "B" + fmt, ["%d" % code], ["_code"]
-            namespace["S%d" % k] = s = struct.Struct(">" + fmt)
-            for field, f in name:
-                enc.append("v_%s = m.%s" % (field, field))
-                if f == "iiii":
-                    enc.append("if type(v_%s) is not ReqId: raise Invalid()" % field)
-                    packed += ["v_%s.%s" % (field, a) for a in ("client_id", "generation", "partition_id", "seq_num")]
-                    targets += ["f_%s_%d" % (field, i) for i in range(4)]
-                else:
-                    packed.append("v_%s" % field)
-                    targets.append("f_" + field)
-            enc.append("parts.append(S%d.pack(%s))" % (k, ", ".join(packed)))
-            dec.append("%s, = S%d.unpack_from(view, pos)" % (", ".join(targets), k))
-            dec.append("pos += %d" % s.size)
-            for field, f in name:
-                if f == "iiii":
-                    dec.append("f_%s = ReqId(%s)" % (field, ", ".join("f_%s_%d" % (field, i) for i in range(4))))
-        elif kind == "bool":
-            enc.append("parts.append(b'\\x01' if m.%s else b'\\x00')" % name)
-            dec.append("f_%s = view[pos] == 1" % name)
-            dec.append("pos += 1")
-        elif kind == "bytes":
-            enc.append("v_%s = m.%s" % (name, name))
-            enc.append("if type(v_%s) is not bytes: raise Invalid()" % name)
-            enc.append("parts.append(I32.pack(len(v_%s)))" % name)
-            enc.append("parts.append(v_%s)" % name)
-            dec.append("n, = I32.unpack_from(view, pos)")
-            dec.append("pos += 4")
-            dec.append("if n < 0 or n > end - pos: raise Invalid()")
-            dec.append("f_%s = bytes(view[pos:pos + n])" % name)
-            dec.append("pos += n")
-        elif kind == "ints":
-            enc.append("v_%s = m.%s" % (name, name))
-            enc.append("parts.append(I32.pack(len(v_%s)))" % name)
-            enc.append("parts.append(ints_struct(len(v_%s)).pack(*v_%s))" % (name, name))
-            dec.append("n, = I32.unpack_from(view, pos)")
-            dec.append("pos += 4")
-            dec.append("if n < 0 or 4 * n > end - pos: raise Invalid()")
-            dec.append("f_%s = ints_struct(n).unpack_from(view, pos)" % name)
-            dec.append("pos += 4 * n")
-        elif kind == "values":
-            value_cls, min_size = step[2], step[3]
-            namespace["T%d" % k] = value_cls
-            enc.append("v_%s = m.%s" % (name, name))
-            enc.append("parts.append(I32.pack(len(v_%s)))" % name)
-            enc.append("parts.append(encode_values(v_%s, T%d))" % (name, k))
-            dec.append("n, = I32.unpack_from(view, pos)")
-            dec.append("pos += 4")
-            dec.append("if n < 0 or %d * n > end - pos: raise Invalid()" % max(1, min_size))
-            dec.append("f_%s, pos = decode_values(view, pos, end, n, T%d)" % (name, k))
-        else:
-            raise ValueError("step kind %r cannot be compiled" % kind)
+        emit_enc, emit_dec = _EMITTERS[step[0]](k, step, code, namespace)
+        enc += emit_enc
+        dec += emit_dec
     if not plan or plan[0][0] != "fixed":
         enc.insert(0, "parts.append(CODE)")
     for crc_field, data_field in checks:
         dec.append("if checksum(f_%s) != f_%s: raise Invalid()" % (data_field, crc_field))
     dec.append("if pos != end: raise Invalid()")
-    fields = [field for step in plan for field in ([f for f, _ in step[1]] if step[0] == "fixed" else [step[1]])]
-    if trusted_construction(cls):
-        # Decoded values already have their exact types (ints, tuples of ints, bytes): set them
-        # directly instead of running the class's converters again.
-        namespace["new"], namespace["setattr"] = object.__new__, object.__setattr__
-        dec.append("o = new(cls)")
-        dec.extend("setattr(o, %r, f_%s)" % (field, field) for field in fields)
-        dec.append("return o")
-    else:
-        dec.append("return cls(%s)" % ", ".join("f_" + field for field in fields))
+    dec += _construct(cls, [field for step in plan for field in _step_fields(step)], namespace)
+    start = 0 if plan and plan[0][0] == "fixed" else 1  # the first run's struct reads the type code too
     source = "def encode(m):\n    parts = []\n%s\n    return b''.join(parts)\n\n" % _indent(enc)
-    start = 0 if plan and plan[0][0] == "fixed" else 1  # where the body starts, for the first step
     source += "def decode(view):\n    pos = %d\n    end = len(view)\n%s\n" % (start, _indent(dec))
     exec(compile(source, "<waltz codec for %s>" % cls.__name__, "exec"), namespace)  # noqa: S102 (our own source)
     return namespace["encode"], namespace["decode"]
+
+
+def _step_fields(step):
+    return [field for field, _ in step[1]] if step[0] == "fixed" else [step[1]]
+
+
+_REQ_ID_PARTS = ("client_id", "generation", "partition_id", "seq_num")
+
+
+def _emit_fixed(k, step, code, namespace):
+    """A run of fixed-size fields: one struct (the first run also carries the type code)."""
+    fmt = "".join(f for _, f in step[1])
+    packed, targets = [], []
+    if k == 0:
+        fmt, packed, targets = "B" + fmt, ["%d" % code], ["_code"]
+    namespace["S%d" % k] = run = struct.Struct(">" + fmt)
+    enc, req_ids = [], []
+    for field, f in step[1]:
+        enc.append("v_%s = m.%s" % (field, field))
+        if f == "iiii":
+            enc.append("if type(v_%s) is not ReqId: raise Invalid()" % field)
+            packed += ["v_%s.%s" % (field, part) for part in _REQ_ID_PARTS]
+            targets += ["f_%s_%d" % (field, i) for i in range(4)]
+            req_ids.append(field)
+        else:
+            packed.append("v_" + field)
+            targets.append("f_" + field)
+    enc.append("parts.append(S%d.pack(%s))" % (k, ", ".join(packed)))
+    dec = ["%s, = S%d.unpack_from(view, pos)" % (", ".join(targets), k), "pos += %d" % run.size]
+    dec += ["f_%s = ReqId(%s)" % (field, ", ".join("f_%s_%d" % (field, i) for i in range(4))) for field in req_ids]
+    return enc, dec
+
+
+def _emit_bool(k, step, code, namespace):
+    name = step[1]
+    return (["parts.append(b'\\x01' if m.%s else b'\\x00')" % name],
+            ["f_%s = view[pos] == 1" % name, "pos += 1"])
+
+
+def _emit_bytes(k, step, code, namespace):
+    name = step[1]
+    enc = _write_count(name) + ["if type(v_%s) is not bytes: raise Invalid()" % name, "parts.append(v_%s)" % name]
+    dec = _read_count(1) + ["f_%s = bytes(view[pos:pos + n])" % name, "pos += n"]
+    return enc, dec
+
+
+def _emit_ints(k, step, code, namespace):
+    name = step[1]
+    enc = _write_count(name) + ["parts.append(ints_struct(len(v_%s)).pack(*v_%s))" % (name, name)]
+    dec = _read_count(4) + ["f_%s = ints_struct(n).unpack_from(view, pos)" % name, "pos += 4 * n"]
+    return enc, dec
+
+
+def _emit_values(k, step, code, namespace):
+    name, value_cls, min_size = step[1], step[2], step[3]
+    namespace["T%d" % k] = value_cls
+    enc = _write_count(name) + ["parts.append(encode_values(v_%s, T%d))" % (name, k)]
+    dec = _read_count(max(1, min_size)) + ["f_%s, pos = decode_values(view, pos, end, n, T%d)" % (name, k)]
+    return enc, dec
+
+
+_EMITTERS = {"fixed": _emit_fixed, "bool": _emit_bool, "bytes": _emit_bytes, "ints": _emit_ints,
+             "values": _emit_values}
+
+
+def _write_count(name):
+    """Lines that take field ``name`` into ``v_<name>`` and write its i32 length."""
+    return ["v_%s = m.%s" % (name, name), "parts.append(I32.pack(len(v_%s)))" % name]
+
+
+def _read_count(item_size):
+    """Lines that read an i32 count into ``n``, refusing one the bytes left cannot hold."""
+    needed = "n" if item_size == 1 else "%d * n" % item_size
+    return ["n, = I32.unpack_from(view, pos)", "pos += 4", "if n < 0 or %s > end - pos: raise Invalid()" % needed]
+
+
+def _construct(cls, fields, namespace):
+    """The lines that build and return the decoded message from its ``f_`` locals."""
+    if not trusted_construction(cls):
+        return ["return cls(%s)" % ", ".join("f_" + field for field in fields)]
+    # Decoded values already have their exact types (ints, tuples of ints, bytes): set them
+    # directly instead of running the class's converters again.
+    namespace["new"], namespace["setattr"] = object.__new__, object.__setattr__
+    return (["o = new(cls)"] + ["setattr(o, %r, f_%s)" % (field, field) for field in fields] + ["return o"])
 
 
 def trusted_construction(cls) -> bool:
