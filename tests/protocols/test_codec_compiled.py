@@ -140,3 +140,15 @@ def test_only_classes_without_validators_or_hooks_are_built_field_by_field():
 
     assert trusted_construction(L.FeedData) and trusted_construction(L.AppendRequest)
     assert not trusted_construction(Checked) and not trusted_construction(Hooked)
+
+
+def test_a_batch_is_encoded_once_for_all_its_replicas():
+    from waltz.protocols import compiled
+
+    records = tuple(Record.create(t, RID, 0, b"data %d" % t) for t in range(5))
+    version = S.STORAGE_CODEC.versions[-1]
+    first = S.STORAGE_CODEC.encode(S.AppendRequest(1, 7, 0, records, False), version)
+    assert compiled._last_encoded[0] is records           # the message kept the very tuple it was given
+    second = S.STORAGE_CODEC.encode(S.AppendRequest(2, 8, 0, records, False), version)
+    again = generic(S.STORAGE_CODEC).encode(S.AppendRequest(2, 8, 0, records, False), version)
+    assert second == again and first[17:] == second[17:]   # same records bytes after the header fields

@@ -188,6 +188,8 @@ class ListOf:
     def convert(self, values):
         if values is None:          # a conditional list absent from the wire (as Scalar.convert)
             return None
+        if type(values) is tuple and _converter(self.item) is None:
+            return values           # items that need no conversion: keep the very tuple (see compiled.py)
         if isinstance(values, Mapping):
             values = values.items()
         return tuple(self.item.convert(value) for value in values)
