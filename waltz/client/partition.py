@@ -548,8 +548,8 @@ class ClientPartition:
     def _pump(self):
         """Start queued executions while mounted and below ``maxConcurrentTransactions`` (appends
         outstanding plus contexts still building theirs)."""
-        if self._pumping:
-            return
+        if self._pumping or not (self._retrying or self._waiting):
+            return          # (the common case: it runs after every feed item applied)
         self._pumping = True
         try:
             while self._can_start():
