@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -42,6 +43,25 @@ def percentile(values, q):
 def ratio_line(ratio, target, met):
     """The closing line every benchmark prints: its ratio to the limit against the target."""
     return "  ratio to limit: %.2f (target >= %.1f): %s" % (ratio, target, "met" if met else "NOT met")
+
+
+def add_rounds_argument(p, default=3):
+    p.add_argument("--rounds", type=int, default=default,
+                   help="rounds of (measurement, limit), each on fresh daemons; figures are medians and the "
+                        "ratio is the median of the rounds' ratios (this machine's speed drifts between runs "
+                        "a minute apart, and the two runs of one round are the closest in time)")
+
+
+def round_summary(rounds):
+    """``(median rate, median limit, median ratio)`` of ``[(rate, limit), ...]``, one pair per round
+    (ratio 0 when there is no limit), printing each round on stderr when there are several."""
+    for k, (rate, limit) in enumerate(rounds):
+        if len(rounds) > 1:
+            print("round %d: %.0f/s, limit %.0f/s, ratio %.2f" % (k + 1, rate, limit, rate / limit if limit else 0),
+                  file=sys.stderr)
+    ratios = [rate / limit for rate, limit in rounds if limit]
+    return (statistics.median(r for r, _ in rounds), statistics.median(lim for _, lim in rounds),
+            statistics.median(ratios) if ratios else 0.0)
 
 
 def report(figures, as_json, lines):

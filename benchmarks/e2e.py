@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from twisted.internet import defer, task, threads  # noqa: E402
 
 import replication  # noqa: E402
-from common import now, parser, percentile, ratio_line, report, work_dir  # noqa: E402
+from common import (  # noqa: E402
+    add_rounds_argument, now, parser, percentile, ratio_line, report, round_summary, work_dir)
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks  # noqa: E402
 from waltz.local.cluster import LocalCluster  # noqa: E402
 from waltz.local.daemons import local_server  # noqa: E402
@@ -204,9 +205,7 @@ def main(argv=None):
     p.add_argument("--inflight", type=int, default=200,
                    help="outstanding transactions per producer (client.maxConcurrentTransactions); the default "
                         "makes 400 in all, as the limit run")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="rounds of (end to end, limit), each on fresh clusters; the ratio is the median of the "
-                        "rounds' ratios (this machine's speed drifts between runs a minute apart)")
+    add_rounds_argument(p)
     p.add_argument("--no-limit", action="store_true", help="skip the limit runs (for profiling)")
     p.add_argument("--cpu", action="store_true", help="print CPU milliseconds per transaction of each process")
     p.add_argument("--server-metrics", action="store_true", help="print the server's metrics after the run")
@@ -225,13 +224,8 @@ def main(argv=None):
                     limit, _, _, _ = yield replication.measure_replication(reactor, limit_args,
                                                                            os.path.join(run_dir, "r%d" % k))
                 rounds.append((rate, latencies, feed_rate, limit))
-                if args.rounds > 1:
-                    print("round %d: %.0f transactions/s, limit %.0f/s, ratio %.2f"
-                          % (k + 1, rate, limit, rate / limit if limit else 0.0), file=sys.stderr)
-        rate = statistics.median(r[0] for r in rounds)
-        limit = statistics.median(r[3] for r in rounds)
+        rate, limit, ratio = round_summary([(r[0], r[3]) for r in rounds])
         feed_rate = statistics.median(r[2] for r in rounds)
-        ratio = statistics.median(r[0] / r[3] for r in rounds) if limit else 0.0
         latencies = [x for r in rounds for x in r[1]]
         p50, p99 = percentile(latencies, 0.5) * 1000, percentile(latencies, 0.99) * 1000
         ok = rate >= TARGET_OPS and p99 < TARGET_P99_MS and ratio >= TARGET_RATIO

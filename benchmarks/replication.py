@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from twisted.internet import defer, task  # noqa: E402
 
 import storage_append  # noqa: E402
-from common import now, parser, percentile, ratio_line, report, work_dir  # noqa: E402
+from common import (  # noqa: E402
+    add_rounds_argument, now, parser, percentile, ratio_line, report, round_summary, work_dir)
 from waltz.local.cluster import LocalCluster  # noqa: E402
 from waltz.protocols.values import ReqId, checksum  # noqa: E402
 from waltz.server.store.partition import AppendFailed, AppendFateUnknown  # noqa: E402
@@ -58,7 +59,6 @@ class Load:
         started = now()
         d = self.partition.append(ReqId(1, 1, 0, number), 0, self.payload, self.crc)
         d.addCallbacks(self._committed, self._failed, callbackArgs=(number, started))
-        d.addBoth(lambda _: self.running and self.reactor.callLater(0, self._send))
 
     def _committed(self, transaction_id, number, started):
         self.committed += 1
@@ -66,10 +66,16 @@ class Load:
             self.latencies.append(now() - started)
         if self.watch is not None and number >= self.watch[0] and not self.watch[1].called:
             self.watch[1].callback(now())
+        # The next append starts from this one's commit, as the server's append task does: a
+        # reactor turn per append here would measure this harness, not the store layer.
+        if self.running:
+            self._send()
 
     def _failed(self, failure):
         failure.trap(AppendFailed, AppendFateUnknown)
         self.failed += 1
+        if self.running:    # paced by the reactor: a failing partition may fail appends at once
+            self.reactor.callLater(0, self._send)
 
     @defer.inlineCallbacks
     def measure(self, seconds):
@@ -121,6 +127,7 @@ def argument_parser():
     p.add_argument("--inflight", type=int, default=400, help="outstanding appends")
     p.add_argument("--max-batch", type=int, default=100, help="storage.maxBatchSize")
     p.add_argument("--batches-in-flight", type=int, default=4, help="storage.maxBatchesInFlight")
+    add_rounds_argument(p)
     return p
 
 
@@ -129,34 +136,46 @@ def main(argv=None):
 
     @defer.inlineCallbacks
     def run(reactor):
+        pairs, latencies, failovers, failed = [], [], [], 0
         with work_dir("waltz-bench-replication-") as run_dir:
-            rate, latencies, failover, load = yield measure_replication(reactor, args, os.path.join(run_dir, "r"))
-            limit_args = storage_append.default_args(args.seconds, args.record_size)
-            results, _, _ = yield storage_append.measure(reactor, limit_args, os.path.join(run_dir, "limit"))
-        one = results[1]
-        limit = one.records / one.elapsed
+            for k in range(args.rounds):
+                rate, round_latencies, failover, load = yield measure_replication(
+                    reactor, args, os.path.join(run_dir, "r%d" % k))
+                limit_args = storage_append.default_args(args.seconds, args.record_size)
+                results, _, _ = yield storage_append.measure(reactor, limit_args,
+                                                             os.path.join(run_dir, "limit%d" % k))
+                one = results[1]
+                pairs.append((rate, one.records / one.elapsed))
+                latencies += round_latencies
+                failovers.append(failover)
+                failed += load.failed
+        rate, limit, ratio = round_summary(pairs)
+        failover = max(failovers)
         figures = {
             "ops_per_s": round(rate),
             "p50_ms": round(percentile(latencies, 0.5) * 1000, 3),
             "p99_ms": round(percentile(latencies, 0.99) * 1000, 3),
             "limit_ops_per_s": round(limit),
-            "ratio": round(rate / limit, 3),
+            "ratio": round(ratio, 3),
             "failover_s": round(failover, 3),
             "target_ratio": TARGET_RATIO,
             "target_failover_s": TARGET_FAILOVER_S,
-            "failed_appends": load.failed,
+            "failed_appends": failed,
             "inflight": args.inflight,
+            "rounds": [{"ops_per_s": round(r), "limit_ops_per_s": round(lim), "ratio": round(r / lim, 3)}
+                       for r, lim in pairs],
         }
-        ok = rate / limit >= TARGET_RATIO and failover < TARGET_FAILOVER_S
+        ok = ratio >= TARGET_RATIO and failover < TARGET_FAILOVER_S
         lines = [
-            "replication: 3 storages, quorum 2, %d-byte transactions, %d in flight, %.0f s"
-            % (args.record_size, args.inflight, args.seconds),
+            "replication: 3 storages, quorum 2, %d-byte transactions, %d in flight, %.0f s x %d rounds (medians; "
+            "latency over all rounds, failover the slowest)" % (args.record_size, args.inflight, args.seconds,
+                                                               args.rounds),
             "  committed: %10.0f transactions/s, commit latency p50 %.2f ms p99 %.2f ms"
             % (rate, figures["p50_ms"], figures["p99_ms"]),
             "  failover after kill -9 of one storage under load: %.3f s (target < %.1f s)"
             % (failover, TARGET_FAILOVER_S),
             "  limit (storage_append.py, one storage, 1 partition): %10.0f records/s" % limit,
-            ratio_line(rate / limit, TARGET_RATIO, ok),
+            ratio_line(ratio, TARGET_RATIO, ok),
         ]
         report(figures, args.json, lines)
 
