@@ -21,7 +21,7 @@ Defaults: 2 producers x 200 transactions in flight, 400 appends outstanding
 in all: the same as the limit run (``replication.py --inflight 400``), so that the
 ratio compares the layers at the same offered concurrency. (With fewer in flight
 the end-to-end run is bound by latency, not by work: at 2 x 50 it commits about
-a quarter of the limit with a p99 near 20 ms; pass ``--inflight 50`` to see it.)
+a sixth of the limit, with a p99 under 20 ms; pass ``--inflight 50`` to see it.)
 Two application instances is the smallest deployment that survives losing one.
 More producers would mostly measure this benchmark's own process: every client
 applies the whole feed (that is how Waltz works), and here all of them share
