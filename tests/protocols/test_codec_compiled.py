@@ -152,3 +152,11 @@ def test_a_batch_is_encoded_once_for_all_its_replicas():
     second = S.STORAGE_CODEC.encode(S.AppendRequest(2, 8, 0, records, False), version)
     again = generic(S.STORAGE_CODEC).encode(S.AppendRequest(2, 8, 0, records, False), version)
     assert second == again and first[17:] == second[17:]   # same records bytes after the header fields
+
+
+def test_the_batch_memo_is_per_item_class():
+    records = tuple(Record.create(t, RID, 0, b"x") for t in range(3))
+    version = S.STORAGE_CODEC.versions[-1]
+    S.STORAGE_CODEC.encode(S.AppendRequest(1, 7, 0, records, False), version)
+    with pytest.raises(ValueError, match="expected RecordHeader"):
+        S.STORAGE_CODEC.encode(S.RecordHeaderListResponse(1, 7, 0, records), version)

@@ -52,17 +52,17 @@ class _Invalid(Exception):
     """Raised by generated code for input it leaves to the generic loop."""
 
 
-#: ``(values, their encoding)`` of the last list encoded: a batch goes to every replica in its own
-#: message, so the same records tuple is encoded several times in a row (tuples of frozen values do
-#: not change, and the memo holds the tuple, so its identity cannot be reused meanwhile).
-_last_encoded = (None, None)
+#: ``(values, item class, their encoding)`` of the last list encoded: a batch goes to every replica in
+#: its own message, so the same records tuple is encoded several times in a row (tuples of frozen
+#: values do not change, and the memo holds the tuple, so its identity cannot be reused meanwhile).
+_last_encoded = (None, None, None)
 
 
 def _encode_values(values, cls):
     global _last_encoded
     memo = _last_encoded
-    if memo[0] is values:
-        return memo[1]
+    if memo[0] is values and memo[1] is cls:
+        return memo[2]
     if cls is Record:
         body = _encode_records(values)
     else:
@@ -72,7 +72,7 @@ def _encode_values(values, cls):
                 raise _Invalid()
             value.encode(w)
         body = w.getvalue()
-    _last_encoded = (values, body)
+    _last_encoded = (values, cls, body)
     return body
 
 
