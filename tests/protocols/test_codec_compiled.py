@@ -160,3 +160,24 @@ def test_the_batch_memo_is_per_item_class():
     S.STORAGE_CODEC.encode(S.AppendRequest(1, 7, 0, records, False), version)
     with pytest.raises(ValueError, match="expected RecordHeader"):
         S.STORAGE_CODEC.encode(S.RecordHeaderListResponse(1, 7, 0, records), version)
+
+
+@pytest.mark.parametrize("codec,spec", [(c, s) for c, s in compiled_specs() if any(
+    f.wire_type is BOOL for f in s.layout.fields)], ids=lambda x: getattr(x, "name", getattr(x, "family", "")))
+def test_a_null_bool_is_refused_as_by_the_generic_loop(codec, spec):
+    message = random_message(random.Random(1), spec)
+    flag = next(f.name for f in spec.layout.fields if f.wire_type is BOOL)
+    message = attr.evolve(message, **{flag: None})
+    version = codec.versions[-1]
+    with pytest.raises(ValueError) as fast:
+        codec.encode(message, version)
+    with pytest.raises(ValueError) as plain:
+        generic(codec).encode(message, version)
+    assert str(fast.value) == str(plain.value) and "must not be null" in str(fast.value)
+
+
+def test_long_int_lists_round_trip_past_the_cached_structs():
+    message = L.AppendRequest.create(RID, 10, 0, b"d", write_locks=tuple(range(200)))
+    payload = L.CLIENT_CODEC.encode(message, 4)
+    assert payload == generic(L.CLIENT_CODEC).encode(message, 4)
+    assert L.CLIENT_CODEC.decode(payload, 4) == message

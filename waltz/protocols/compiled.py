@@ -37,15 +37,15 @@ from waltz.protocols.primitives import Reader, Writer
 from waltz.protocols.values import RECORD_PREFIX, Record, ReqId, checksum
 
 _I32 = struct.Struct(">i")
-_INT_RUNS = {}
+#: Counts whose struct is kept: lock lists are short. Longer ones (rare; the count comes off the
+#: wire, so the cache must not grow with what a peer sends) get a struct each time.
+_CACHED_INT_RUNS = 64
+_INT_RUNS = [struct.Struct(">%di" % count) for count in range(_CACHED_INT_RUNS + 1)]
 
 
 def _ints_struct(count):
-    """The struct of ``count`` big-endian i32 (cached: lock lists come in a few lengths)."""
-    s = _INT_RUNS.get(count)
-    if s is None:
-        s = _INT_RUNS[count] = struct.Struct(">%di" % count)
-    return s
+    """The struct of ``count`` big-endian i32."""
+    return _INT_RUNS[count] if count <= _CACHED_INT_RUNS else struct.Struct(">%di" % count)
 
 
 class _Invalid(Exception):
@@ -56,6 +56,8 @@ class _Invalid(Exception):
 #: its own message, so the same records tuple is encoded several times in a row (tuples of frozen
 #: values do not change, and the memo holds the tuple, so its identity cannot be reused meanwhile).
 _last_encoded = (None, None, None)
+#: Encodings larger than this are not kept (the memo would pin a large response until the next list).
+_MEMO_MAX_BYTES = 1024 * 1024
 
 
 def _encode_values(values, cls):
@@ -72,7 +74,8 @@ def _encode_values(values, cls):
                 raise _Invalid()
             value.encode(w)
         body = w.getvalue()
-    _last_encoded = (values, cls, body)
+    if len(body) <= _MEMO_MAX_BYTES:
+        _last_encoded = (values, cls, body)
     return body
 
 
@@ -177,8 +180,10 @@ def _emit_fixed(k, step, code, namespace):
 
 def _emit_bool(k, step, code, namespace):
     name = step[1]
-    return (["parts.append(b'\\x01' if m.%s else b'\\x00')" % name],
-            ["f_%s = view[pos] == 1" % name, "pos += 1"])
+    enc = ["v_%s = m.%s" % (name, name),
+           "if v_%s is None: raise Invalid()" % name,     # null: the generic loop refuses it by name
+           "parts.append(b'\\x01' if v_%s else b'\\x00')" % name]
+    return enc, ["f_%s = view[pos] == 1" % name, "pos += 1"]
 
 
 def _emit_bytes(k, step, code, namespace):
