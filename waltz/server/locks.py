@@ -129,19 +129,19 @@ class LockTable:
 
     def lock_estimate(self, lock_hash: int) -> int:
         """The estimated high-water mark of one lock: the minimum over its slots."""
-        return self._estimate_of((self.slots(lock_hash),))
+        return self._estimate((lock_hash,))
 
     def estimate(self, request: LockRequest) -> int:
         """The estimate of a request: the maximum over its write and read locks, ``-1`` without any."""
-        return self._estimate_of([self.slots(h) for h in request.checked])
+        return self._estimate(request.checked)
 
-    def _request_estimate(self, checked) -> int:
-        """:meth:`estimate` of the ``checked`` hashes, as plain loops (the append task's hot path)."""
+    def _estimate(self, hashes) -> int:
+        """The maximum over ``hashes`` of each one's minimum slot mark (-1 without any); plain loops,
+        as this runs for every append."""
         marks, size = self._marks, self.size
         estimate = -1
-        for h in checked:
-            a, b, c = lock_slots(h, size)
-            mark = min(marks[a], marks[b], marks[c])
+        for h in hashes:
+            mark = min(map(marks.__getitem__, lock_slots(h, size)))
             if mark > estimate:
                 estimate = mark
         return estimate
@@ -149,21 +149,15 @@ class LockTable:
     def in_flight_conflict(self, request: LockRequest) -> bool:
         """True when a checked lock is one an in-flight request will update."""
         in_flight = self._in_flight
-        return any(h in in_flight for h in request.checked)
+        return bool(in_flight) and any(h in in_flight for h in request.checked)
 
     def check(self, request: LockRequest, client_high_water_mark: int) -> LockCheck:
         """Decide ``request`` for a client that has seen transactions up to ``client_high_water_mark``."""
-        checked = request.checked
-        estimate = self._request_estimate(checked)
-        in_flight = self._in_flight
-        if in_flight and any(h in in_flight for h in checked):
+        estimate = self._estimate(request.checked)
+        if self.in_flight_conflict(request):
             return LockCheck(LockOutcome.IN_FLIGHT, estimate)
         outcome = LockOutcome.FAILED if estimate > client_high_water_mark else LockOutcome.GRANTED
         return LockCheck(outcome, estimate)
-
-    def _estimate_of(self, slots_per_lock) -> int:
-        marks = self._marks
-        return max((min(marks[slot] for slot in slots) for slots in slots_per_lock), default=-1)
 
     def begin(self, request: LockRequest) -> HeldLocks:
         """Mark the locks ``request`` will update as in flight; settle with :meth:`commit` or :meth:`release`."""
