@@ -297,3 +297,11 @@ def test_good_frames_of_one_read_are_delivered_before_a_bad_one_closes(logged):
     assert proto.received == [b"a", b"b"]
     assert transport.disconnecting
     assert any("wrong magic" in r for r in reasons(logged))
+
+
+def test_is_deferred_answers_like_isinstance():
+    from twisted.internet import defer
+
+    from waltz.protocols.base import is_deferred
+    assert is_deferred(defer.Deferred()) and is_deferred(defer.DeferredList([]))
+    assert not any(is_deferred(v) for v in (None, True, False, 0, b"", object()))

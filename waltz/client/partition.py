@@ -48,6 +48,7 @@ from waltz.client.errors import (
 from waltz.client.monitor import HighWaterMarkGates, TransactionMonitor
 from waltz.client.network import DataChecksumMismatch
 from waltz.protocols import client_messages as m
+from waltz.protocols.base import is_deferred
 from waltz.protocols.values import ReqId
 
 log = Logger()
@@ -418,7 +419,7 @@ class ClientPartition:
         except Exception:
             self._apply_failed(Failure(), item)
             return
-        if result is not None and isinstance(result, defer.Deferred):  # (isinstance of an ABC is slow)
+        if is_deferred(result):
             result.addCallbacks(self._applied, self._apply_failed, callbackArgs=(item,), errbackArgs=(item,))
         else:
             self._applied(result, item)
@@ -579,7 +580,7 @@ class ClientPartition:
         except Exception:
             self._execute_failed(Failure(), submission)
             return
-        if proceed is not True and isinstance(proceed, defer.Deferred):  # (isinstance of an ABC is slow)
+        if is_deferred(proceed):
             self._building.add(submission)
             mount = self._mount_req_id
             proceed.addCallbacks(self._built_later, self._build_failed_later,
