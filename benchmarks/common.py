@@ -9,6 +9,7 @@ are compared with, and with ``--json`` prints one JSON object as its last line.
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -38,6 +39,28 @@ def percentile(values, q):
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def cpu_seconds(pid):
+    """``(user, system)`` CPU seconds of process ``pid`` (all its threads), from /proc."""
+    with open("/proc/%d/stat" % pid, encoding="ascii") as stream:
+        fields = stream.read().rpartition(")")[2].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_snapshot(processes):
+    """CPU seconds so far of each named process (``{name: pid}``)."""
+    return {name: cpu_seconds(pid) for name, pid in processes.items()}
+
+
+def print_cpu(title, first, last, count, what="transaction"):
+    """Under ``title``, each process's CPU milliseconds per ``what`` between two :func:`cpu_snapshot` s,
+    over ``count``."""
+    print("CPU per %s, %s:" % (what, title))
+    for name in first:
+        user, system = (1000 * (after - before) / max(count, 1) for before, after in zip(first[name], last[name]))
+        print("  %-14s %6.3f ms (user %.3f, system %.3f)" % (name, user + system, user, system))
 
 
 def ratio_line(ratio, target, met):

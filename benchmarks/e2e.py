@@ -40,7 +40,8 @@ from twisted.internet import defer, task, threads  # noqa: E402
 
 import replication  # noqa: E402
 from common import (  # noqa: E402
-    add_rounds_argument, now, parser, percentile, ratio_line, report, round_summary, work_dir)
+    add_rounds_argument, cpu_snapshot, now, parser, percentile, print_cpu, ratio_line, report, round_summary,
+    work_dir)
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks  # noqa: E402
 from waltz.local.cluster import LocalCluster  # noqa: E402
 from waltz.local.daemons import local_server  # noqa: E402
@@ -122,19 +123,6 @@ class Producer:
         self._next()
 
 
-def cpu_seconds(pid):
-    """``(user, system)`` CPU seconds of process ``pid`` (all its threads), from /proc."""
-    with open("/proc/%d/stat" % pid, encoding="ascii") as stream:
-        fields = stream.read().rpartition(")")[2].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
-
-
-def cpu_snapshot(processes):
-    """CPU seconds so far of each named process (``{name: pid}``)."""
-    return {name: cpu_seconds(pid) for name, pid in processes.items()}
-
-
 def client_config(cluster, inflight):
     return {"zookeeper.connectString": cluster.connect_string, "cluster.root": cluster.root,
             "client.maxConcurrentTransactions": inflight}
@@ -174,12 +162,7 @@ def measure_e2e(reactor, args, run_dir):
         elapsed = now() - started
         committed = sum(p.committed for p in producers) - first_committed
         if args.cpu:
-            last_cpu = cpu_snapshot(pids)
-            for name in pids:
-                user, system = (1000 * (last - first) / max(committed, 1)
-                                for first, last in zip(first_cpu[name], last_cpu[name]))
-                print("cpu %-14s %6.3f ms/transaction (user %.3f, system %.3f)"
-                      % (name, user + system, user, system))
+            print_cpu("end to end", first_cpu, cpu_snapshot(pids), committed)
         fed = consumer_state.applied - first_fed
         for producer in producers:
             producer.running = False
@@ -207,7 +190,8 @@ def main(argv=None):
                         "makes 400 in all, as the limit run")
     add_rounds_argument(p)
     p.add_argument("--no-limit", action="store_true", help="skip the limit runs (for profiling)")
-    p.add_argument("--cpu", action="store_true", help="print CPU milliseconds per transaction of each process")
+    p.add_argument("--cpu", action="store_true",
+                   help="print CPU milliseconds per transaction of each process (of the limit run's too)")
     p.add_argument("--server-metrics", action="store_true", help="print the server's metrics after the run")
     args = p.parse_args(argv)
 
@@ -220,7 +204,8 @@ def main(argv=None):
                 limit = 0.0
                 if not args.no_limit:
                     limit_args = replication.argument_parser().parse_args(
-                        ["--seconds", str(args.seconds), "--record-size", str(args.record_size)])
+                        ["--seconds", str(args.seconds), "--record-size", str(args.record_size)]
+                        + (["--cpu"] if args.cpu else []))
                     limit, _, _, _ = yield replication.measure_replication(reactor, limit_args,
                                                                            os.path.join(run_dir, "r%d" % k))
                 rounds.append((rate, latencies, feed_rate, limit))

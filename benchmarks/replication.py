@@ -21,7 +21,8 @@ from twisted.internet import defer, task  # noqa: E402
 
 import storage_append  # noqa: E402
 from common import (  # noqa: E402
-    add_rounds_argument, now, parser, percentile, ratio_line, report, round_summary, work_dir)
+    add_rounds_argument, cpu_snapshot, now, parser, percentile, print_cpu, ratio_line, report, round_summary,
+    work_dir)
 from waltz.local.cluster import LocalCluster  # noqa: E402
 from waltz.protocols.values import ReqId, checksum  # noqa: E402
 from waltz.server.store.partition import AppendFailed, AppendFateUnknown  # noqa: E402
@@ -105,7 +106,13 @@ def measure_replication(reactor, args, run_dir):
         load = Load(reactor, partition, args.record_size, args.inflight)
         load.start()
         yield task.deferLater(reactor, 1.0, lambda: None)  # warm up
+        pids = {"bench process": os.getpid()}
+        pids.update(("storage%d" % i, storage.pid) for i, storage in enumerate(cluster.storages))
+        first_cpu, first_committed = cpu_snapshot(pids), load.committed
         rate = yield load.measure(args.seconds)
+        if args.cpu:
+            print_cpu("replication (the store layer alone)", first_cpu, cpu_snapshot(pids),
+                      load.committed - first_committed)
         latencies = list(load.latencies)
         killed_at = now()
         marker = load.sent
@@ -127,6 +134,7 @@ def argument_parser():
     p.add_argument("--inflight", type=int, default=400, help="outstanding appends")
     p.add_argument("--max-batch", type=int, default=100, help="storage.maxBatchSize")
     p.add_argument("--batches-in-flight", type=int, default=4, help="storage.maxBatchesInFlight")
+    p.add_argument("--cpu", action="store_true", help="print CPU milliseconds per transaction of each process")
     add_rounds_argument(p)
     return p
 
