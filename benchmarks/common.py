@@ -49,6 +49,15 @@ def cpu_seconds(pid):
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
+def run_processes(own_name, cluster, *named):
+    """``{name: pid}`` of this process (as ``own_name``), of the ``(name, pid)`` pairs ``named`` and of the
+    cluster's storage daemons: the processes whose CPU a benchmark reports."""
+    processes = {own_name: os.getpid()}
+    processes.update(named)
+    processes.update(("storage%d" % i, storage.pid) for i, storage in enumerate(cluster.storages))
+    return processes
+
+
 def cpu_snapshot(processes):
     """CPU seconds so far of each named process (``{name: pid}``)."""
     return {name: cpu_seconds(pid) for name, pid in processes.items()}

@@ -41,7 +41,7 @@ from twisted.internet import defer, task, threads  # noqa: E402
 import replication  # noqa: E402
 from common import (  # noqa: E402
     add_rounds_argument, cpu_snapshot, now, parser, percentile, print_cpu, ratio_line, report, round_summary,
-    work_dir)
+    run_processes, work_dir)
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks  # noqa: E402
 from waltz.local.cluster import LocalCluster  # noqa: E402
 from waltz.local.daemons import local_server  # noqa: E402
@@ -152,8 +152,7 @@ def measure_e2e(reactor, args, run_dir):
         yield task.deferLater(reactor, 2.0, lambda: None)  # warm up
         for producer in producers:
             producer.measuring = True
-        pids = {"client process": os.getpid(), "server": server.pid}
-        pids.update(("storage%d" % i, storage.pid) for i, storage in enumerate(cluster.storages))
+        pids = run_processes("client process", cluster, ("server", server.pid))
         first_cpu = cpu_snapshot(pids)
         first_committed = sum(p.committed for p in producers)
         first_fed = consumer_state.applied

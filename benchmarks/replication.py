@@ -22,7 +22,7 @@ from twisted.internet import defer, task  # noqa: E402
 import storage_append  # noqa: E402
 from common import (  # noqa: E402
     add_rounds_argument, cpu_snapshot, now, parser, percentile, print_cpu, ratio_line, report, round_summary,
-    work_dir)
+    run_processes, work_dir)
 from waltz.local.cluster import LocalCluster  # noqa: E402
 from waltz.protocols.values import ReqId, checksum  # noqa: E402
 from waltz.server.store.partition import AppendFailed, AppendFateUnknown  # noqa: E402
@@ -106,8 +106,7 @@ def measure_replication(reactor, args, run_dir):
         load = Load(reactor, partition, args.record_size, args.inflight)
         load.start()
         yield task.deferLater(reactor, 1.0, lambda: None)  # warm up
-        pids = {"bench process": os.getpid()}
-        pids.update(("storage%d" % i, storage.pid) for i, storage in enumerate(cluster.storages))
+        pids = run_processes("bench process", cluster)
         first_cpu, first_committed = cpu_snapshot(pids), load.committed
         rate = yield load.measure(args.seconds)
         if args.cpu:
