@@ -43,6 +43,7 @@ from common import (  # noqa: E402
     add_rounds_argument, cpu_snapshot, now, parser, percentile, print_cpu, ratio_line, report, round_summary,
     run_processes, work_dir)
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks  # noqa: E402
+from waltz.gc_tuning import tune_garbage_collector  # noqa: E402
 from waltz.local.cluster import LocalCluster  # noqa: E402
 from waltz.local.daemons import local_server  # noqa: E402
 
@@ -147,6 +148,7 @@ def measure_e2e(reactor, args, run_dir):
             clients.append(client)
             producers.append(Producer(reactor, client, b"p" * args.record_size, args.inflight, rng))
         yield defer.gatherResults([c.when_started() for c in clients])
+        tune_garbage_collector()
         for producer in producers:
             producer.start()
         yield task.deferLater(reactor, 2.0, lambda: None)  # warm up

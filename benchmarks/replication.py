@@ -23,6 +23,7 @@ import storage_append  # noqa: E402
 from common import (  # noqa: E402
     add_rounds_argument, cpu_snapshot, now, parser, percentile, print_cpu, ratio_line, report, round_summary,
     run_processes, work_dir)
+from waltz.gc_tuning import tune_garbage_collector  # noqa: E402
 from waltz.local.cluster import LocalCluster  # noqa: E402
 from waltz.protocols.values import ReqId, checksum  # noqa: E402
 from waltz.server.store.partition import AppendFailed, AppendFateUnknown  # noqa: E402
@@ -102,6 +103,7 @@ def measure_replication(reactor, args, run_dir):
         store = Store(cluster.metadata, reactor, max_batch_size=args.max_batch, initial_retry=0.05,
                       max_retry=0.5, recovery_retry_interval=0.05, max_batches_in_flight=args.batches_in_flight)
         yield store.start()
+        tune_garbage_collector()  # as the server daemon does: this process stands in for its store layer
         partition = store.partition(0, 1)
         load = Load(reactor, partition, args.record_size, args.inflight)
         load.start()

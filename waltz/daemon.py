@@ -7,13 +7,14 @@ is locked, a cluster key mismatch...) the reason is logged and the process
 exits with status 1, because a half-started daemon must not look healthy.
 """
 
-import gc
 import logging
 import os
 
 from twisted.application import service
 from twisted.internet import defer
 from twisted.logger import Logger, LogLevel
+
+from waltz.gc_tuning import tune_garbage_collector
 
 log = Logger()
 
@@ -46,17 +47,6 @@ def exit_after_failure(reactor, failure, what):
         reactor.stop()
     else:
         reactor.callWhenRunning(reactor.stop)
-
-
-def tune_garbage_collector():
-    """Move what start-up allocated out of the collector's sight and collect the young generation less often.
-
-    A daemon keeps many long-lived objects (caches, connections, sessions); full collections over them
-    stalled the reactor for tens of milliseconds under load.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
 
 
 class AsyncStartService(service.MultiService):

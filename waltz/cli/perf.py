@@ -15,6 +15,7 @@ from twisted.internet import defer, task
 from waltz.cli.cluster import add_connection_options, connection_config, quiet_kazoo, run_reactor
 from waltz.cli.common import CliError, parse_partition_list
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks
+from waltz.gc_tuning import tune_garbage_collector
 
 
 class _Follower(WaltzClientCallbacks):
@@ -86,6 +87,7 @@ def producers(args):
         ticker = task.LoopingCall(lambda: _progress("committed", outcome["committed"], args.transactions, began))
         try:
             yield defer.gatherResults([c.when_started() for c in clients])
+            tune_garbage_collector()
             payload = b"p" * args.size
             began = time.monotonic()
             ticker.start(1.0, now=False)

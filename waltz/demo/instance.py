@@ -27,6 +27,7 @@ from twisted.protocols.basic import LineReceiver
 
 from waltz.client import Outcome, WaltzClient
 from waltz.demo.bank import DEACTIVATE, DEPOSIT, WITHDRAWAL, Bank, Deactivation, Deposit, Withdrawal, open_database
+from waltz.gc_tuning import tune_garbage_collector
 
 PROGRESS_INTERVAL = 0.5
 
@@ -178,6 +179,7 @@ def run_instance(reactor, args, channel):
         yield client.when_started()
         # Rebuild the database from the log before making decisions on it.
         marks = yield catch_up(client)
+        tune_garbage_collector()
         channel.send("started", partitions=client.num_partitions, rebuilt=sum(m + 1 for m in marks.values()))
         yield channel.go                # every instance starts its workload at the same moment
         progress.start(PROGRESS_INTERVAL, now=False)
