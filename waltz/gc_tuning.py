@@ -4,8 +4,8 @@ CPython's full (generation 2) collection walks every tracked object the process 
 hundreds of thousands that importing Twisted and building a daemon or a client create and never
 free. Under load the young generations promote in-flight transactions' objects (contexts, Deferreds,
 requests) often enough to start a full collection every few seconds; each one stopped the reactor
-for 20 to 30 ms, and every transaction in flight waited that long (measured: the largest part of the
-end-to-end benchmark's p99). ``gc.freeze()`` moves what exists at the end of start-up into a
+for 20 to 30 ms, and every transaction in flight waited that long (measured in the end-to-end
+benchmark's client process: one of the stalls behind its p99, see docs/performance.md). ``gc.freeze()`` moves what exists at the end of start-up into a
 permanent generation that collections skip, so a full collection only walks what the process
 allocated since; a higher young-generation threshold collects less often.
 """
