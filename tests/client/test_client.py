@@ -2,6 +2,7 @@
 
 import pytest
 from twisted.internet import defer
+from twisted.logger import LogLevel, globalLogPublisher
 from twisted.python.failure import Failure
 
 from tests.client.fakes import EP_A, EP_B, RecordingCallbacks, RecordingContext
@@ -184,6 +185,61 @@ def test_lock_failure_behind_the_client_hwm_is_retried_at_once(harness):
     assert context.executions == 2
 
 
+def _waiting_to_retry_after_a_lock_failure(harness, client):
+    """Execute a context whose append fails on a lock of transaction 3, which the client has not seen."""
+    harness.server_a.hold_appends = True
+    context = RecordingContext(write_locks=[("account", 1)])
+    d = client.execute(context)
+    harness.settle()
+    harness.server_a.lock_fail_held(0, 3)
+    harness.settle()
+    assert context.events == ["execute", "lock failure"] and outcome(d) is None
+    return context, d
+
+
+def test_an_execution_waiting_to_retry_after_a_lock_failure_fails_when_the_client_closes(harness):
+    harness.commit(0)
+    client = harness.client(**{"client.transactionExpiration": 0})   # no expiry to end it later
+    context, d = _waiting_to_retry_after_a_lock_failure(harness, client)
+    client.close()
+    harness.settle()
+    assert outcome(d).outcome is Outcome.FAILED and isinstance(outcome(d).error, ClientClosedError)
+    assert context.events[-1] == ("exception", "ClientClosedError")
+
+
+def test_an_execution_waiting_to_retry_after_a_lock_failure_fails_when_its_partition_is_dropped(harness):
+    harness.commit(0)
+    client = harness.client(**{"client.autoMount": False, "client.transactionExpiration": 0})
+    client.set_partitions([0])
+    harness.settle()
+    context, d = _waiting_to_retry_after_a_lock_failure(harness, client)
+    client.set_partitions([])
+    harness.settle()
+    assert outcome(d).outcome is Outcome.FAILED and isinstance(outcome(d).error, PartitionInactiveError)
+    harness.commit(0)
+    harness.commit(0)
+    harness.commit(0)                     # the conflicting transaction: the gate is gone with the partition
+    assert context.executions == 1
+
+
+def test_an_execution_that_expired_waiting_to_retry_is_not_ended_again_when_the_client_closes(harness):
+    harness.commit(0)
+    client = harness.client(**{"client.transactionExpiration": 5})
+    context, d = _waiting_to_retry_after_a_lock_failure(harness, client)
+    harness.settle(5)
+    assert outcome(d).outcome is Outcome.EXPIRED
+    errors = []
+    observer = lambda event: errors.append(event) if event["log_level"] >= LogLevel.error else None  # noqa
+    globalLogPublisher.addObserver(observer)
+    try:
+        client.close()
+        harness.settle()
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    assert errors == []   # not "transaction context ... ended twice"
+    assert context.events[-1] == "expiration"
+
+
 def test_at_most_max_concurrent_transactions_are_outstanding(harness):
     client = harness.client(**{"client.maxConcurrentTransactions": 3})
     harness.server_a.hold_appends = True
@@ -364,6 +420,27 @@ def test_reconnect_backs_off_while_the_server_is_down(harness):
     harness.network.add_server(EP_A, server)
     harness.settle(0.4)
     assert client.partition_state(0) is PartitionState.MOUNTED
+
+
+def test_a_feed_suspended_of_an_earlier_mount_is_not_answered_while_remounting(harness):
+    client = harness.client()
+    first_mount = next(r.req_id for r in harness.server_a.messages(m.MountRequest) if r.req_id.partition_id == 0)
+    stream = next(proto for proto in harness.server_a.connections if 0 in proto.feeds)
+    harness.server_a.answer_mounts = False
+    harness.discovery.move(0, EP_A, 2)      # the same server, a new generation: a remount on the same stream
+    harness.settle()
+    remounts = [r for r in harness.server_a.messages(m.MountRequest)
+                if r.req_id.partition_id == 0 and r.req_id != first_mount]
+    assert len(remounts) == 1 and client.partition_state(0) is PartitionState.MOUNTING
+    feed_requests = len(harness.server_a.messages(m.FeedRequest))
+    stream.sendMessage(m.FeedSuspended(first_mount))   # the old feed's credit ran out meanwhile
+    harness.settle()
+    # Answering it would make a server replace the new mount's catch-up (which ends with READY).
+    assert len(harness.server_a.messages(m.FeedRequest)) == feed_requests
+    stream.sendMessage(m.MountResponse(remounts[0].req_id, m.MountState.READY))
+    harness.settle()
+    assert client.partition_state(0) is PartitionState.MOUNTED
+    assert harness.server_a.messages(m.FeedRequest)[-1].req_id == remounts[0].req_id
 
 
 def test_a_partition_moving_to_another_server_is_remounted_with_its_new_generation(harness):

@@ -27,7 +27,7 @@ from waltz.server.caches import FeedCache, TransactionDataCache
 from waltz.server.partition import (
     AppendTaskState, ClientConnection, PartitionClosed, PartitionMetrics, PartitionSettings, PartitionState,
     ServerPartition)
-from waltz.server.store.partition import AppendFailed, AppendFateUnknown
+from waltz.server.store.partition import AppendFailed, AppendFateUnknown, PartitionNotOwned
 
 PID = 3
 GEN = 7
@@ -481,6 +481,53 @@ def test_a_remount_on_the_same_connection_with_the_same_key_is_accepted():
     h.mount(conn, client_hwm=1, seq_num=3, mount_seq=1)
     assert conn.of(MountResponse) == [MountResponse(rid(0), MountState.READY),
                                       MountResponse(rid(1), MountState.READY)]
+
+
+def test_a_feed_request_of_an_earlier_mount_does_not_replace_the_mount_catch_up():
+    h = Harness(records=5)
+    conn = DummyConnection()
+    h.handle(conn, MountRequest(rid(10), -1, 1))   # the client's new mount on its connection, 5 behind
+    h.handle(conn, FeedRequest(rid(1), -1))        # sent for its earlier mount, before it remounted
+    h.run()
+    assert feed_ids(conn) == [0, 1, 2, 3, 4]
+    assert conn.sent[-1] == MountResponse(rid(10), MountState.READY)
+
+
+def test_a_feed_request_of_the_current_mount_before_ready_is_dropped():
+    h = Harness(records=5)
+    conn = DummyConnection()
+    h.handle(conn, MountRequest(rid(10), -1, 1))
+    h.handle(conn, FeedRequest(rid(10), -1))       # READY not sent yet: the catch-up still owes it
+    h.run()
+    assert feed_ids(conn) == [0, 1, 2, 3, 4]
+    assert conn.sent[-1] == MountResponse(rid(10), MountState.READY)
+    conn.take()
+    h.handle(conn, FeedRequest(rid(10), 4))        # after READY it is taken
+    h.handle(conn, append(1, client_hwm=4))
+    h.store.commit()
+    h.run()
+    assert feed_ids(conn) == [5]
+
+
+@pytest.mark.parametrize("error", [AppendFateUnknown, PartitionNotOwned])
+def test_a_lost_store_closes_the_partition_before_any_flush_or_mount_is_answered(h, error):
+    conn = DummyConnection()
+    h.mount(conn)
+    conn.take()
+    h.handle(conn, append(1))
+    h.handle(conn, append(2))
+    h.handle(conn, FlushRequest(rid(3)))
+    again = DummyConnection("remount")
+    h.handle(again, MountRequest(rid(4), -1, 2))   # the client remounting meanwhile
+    h.store.fail(1, error)
+    h.run()
+    # Answering now with this server's high-water mark would tell the client its appends failed,
+    # while the next owner may find them committed: the client would retry them (duplicates).
+    assert conn.of(FlushResponse) == [] and again.of(MountResponse) == [
+        MountResponse(rid(4), MountState.NOT_READY)]
+    assert h.partition.state is PartitionState.CLOSED and h.store.closed
+    h.handle(conn, FlushRequest(rid(5)))
+    assert conn.of(FlushResponse) == []
 
 
 # -- feed credit and scheduling -----------------------------------------------------------------

@@ -139,6 +139,8 @@ class ClientPartition:
         self.received_hwm = -1
         self.monitor = TransactionMonitor(settings.max_concurrent_transactions, clock)
         self._gates = HighWaterMarkGates()
+        #: Executions waiting at a gate to retry after a lock failure (in no queue meanwhile).
+        self._gated = {}
         self._apply_waiters = []
         self._waiting = deque()
         self._retrying = deque()
@@ -349,7 +351,10 @@ class ClientPartition:
         return item.when_finished()
 
     def _on_feed_suspended(self, message):
-        self.stream.send(m.FeedRequest(message.req_id, self.received_hwm))
+        # Only the current mount's feed is asked to go on: a FEED_SUSPENDED of an earlier mount on this
+        # connection, answered, would make the server replace the current mount's catch-up with it.
+        if message.req_id == self._mount_req_id:
+            self.stream.send(m.FeedRequest(message.req_id, self.received_hwm))
 
     def _on_flush_response(self, message):
         self._flush_completed(message.req_id, message.high_water_mark)
@@ -523,6 +528,7 @@ class ClientPartition:
         for queue in (self._waiting, self._retrying):
             if submission in queue:
                 queue.remove(submission)
+        self._gated.pop(submission, None)
         if not submission.done:
             submission.expired()
 
@@ -532,10 +538,15 @@ class ClientPartition:
         if error is not None:
             submission.failed(error)
         elif submission.retry_after is not None and self.applied_hwm < submission.retry_after:
-            self._gates.wait(submission.retry_after, lambda: self._retry(submission))
+            self._gated[submission] = None
+            self._gates.wait(submission.retry_after, lambda: self._ungate(submission))
             self._arm_expiry(submission)
         else:
             self._retry(submission)
+
+    def _ungate(self, submission):
+        self._gated.pop(submission, None)
+        self._retry(submission)
 
     def _retry(self, submission):
         if submission.done:
@@ -629,7 +640,10 @@ class ClientPartition:
         self._finish_deactivation()
 
     def _fail_queued(self, error):
-        """End every execution not sent yet (queued, or still building) with ``error``."""
+        """End every execution not sent yet (waiting to retry, queued, or still building) with ``error``."""
+        gated, self._gated = self._gated, {}
+        for submission in gated:
+            submission.failed(error)
         for queue in (self._retrying, self._waiting):
             while queue:
                 queue.popleft().failed(error)

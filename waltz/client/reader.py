@@ -207,7 +207,7 @@ class FeedRead:
             self._feed_data(message)
         elif isinstance(message, m.MountResponse) and message.req_id == self._mount_req_id:
             self._mount_response(message.state)
-        elif isinstance(message, m.FeedSuspended):
+        elif isinstance(message, m.FeedSuspended) and message.req_id == self._mount_req_id:
             self._conn.send(m.FeedRequest(message.req_id, self.last_received))
         return None
 

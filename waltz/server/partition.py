@@ -29,11 +29,16 @@ An append is then checked against the lock table: a failure sends
 commit the lock table is raised, the header goes to the feed cache and the
 data to the transaction data cache, and the feeds wake. When the store fails
 an append (``AppendFailed``, ``AppendFateUnknown``, ``PartitionNotOwned``)
-nothing is sent: the client learns the outcome from the feed.
+nothing is sent: the client learns the outcome from the feed. The last two
+mean the store partition is lost and the append's fate is the next owner's
+to decide, so the partition closes at once: a barrier answered with its own
+high-water mark would tell the client the append failed.
 
 **Fencing.** Appends and feed requests are taken only from the connection
 that holds the client's mount, and appends only for the partition's
-generation; anything else is dropped and logged. A mount replaces the
+generation; feed requests only with the ReqId of the client's current mount,
+and not while that mount's catch-up still owes its READY; anything else is
+dropped and logged. A mount replaces the
 client's mounted connection only with a higher ``(generation, seq_num)``
 (reference PR #167); the replaced connection stops receiving the feed.
 
@@ -182,11 +187,13 @@ class PartitionMetrics:
 
 @attr.s(frozen=True, slots=True)
 class MountedClient:
-    """The connection that holds a client's mount of the partition, and its ``(generation, seq_num)``."""
+    """The connection that holds a client's mount of the partition, its ``(generation, seq_num)``, and
+    the mount request's ReqId (the one its feed requests carry)."""
 
     client_id = attr.ib()
     key = attr.ib()
     connection = attr.ib()
+    req_id = attr.ib()
 
 
 @attr.s(slots=True, eq=False)
@@ -462,7 +469,7 @@ class ServerPartition:
             self.log.info("partition {pid}: client {client} remounts {key}, replacing {old}",
                           pid=self.partition_id, client=req_id.client_id, key=key, old=current.key)
             self.feeds.remove_connection(current.connection)
-        self._mounts[req_id.client_id] = MountedClient(req_id.client_id, key, connection)
+        self._mounts[req_id.client_id] = MountedClient(req_id.client_id, key, connection, req_id)
         self._enqueue_barrier().addCallbacks(
             self._mount_flushed, self._mount_abandoned,
             callbackArgs=(connection, request), errbackArgs=(connection, request))
@@ -499,6 +506,13 @@ class ServerPartition:
             self.log.debug("partition {pid}: feed request of client {client} from an unmounted connection dropped",
                            pid=self.partition_id, client=req_id.client_id)
             return None
+        if req_id != self._mounts[req_id.client_id].req_id or self._owes_mount_response(connection):
+            # A feed request of an earlier mount on this connection, or one sent before the mount's
+            # catch-up ended: taking it would replace that catch-up, and READY would never be sent.
+            self.log.info("partition {pid}: feed request {req_id} of client {client} is not for its current "
+                          "mount {mount}, or came before READY; dropped", pid=self.partition_id, req_id=req_id,
+                          client=req_id.client_id, mount=self._mounts[req_id.client_id].req_id)
+            return None
         if request.client_hwm > self.high_water_mark:
             self.log.warn("partition {pid}: feed request of client {client} is ahead ({client_hwm} > {hwm}); dropped",
                           pid=self.partition_id, client=req_id.client_id, client_hwm=request.client_hwm,
@@ -507,6 +521,10 @@ class ServerPartition:
         credit = max(self.high_water_mark - request.client_hwm, self.settings.min_fetch_size)
         self.feeds.add(FeedContext(req_id, connection, request.client_hwm + 1, credit, FeedSuspended(req_id)))
         return None
+
+    def _owes_mount_response(self, connection) -> bool:
+        feed = self.feeds.feed_of(connection)
+        return feed is not None and isinstance(feed.end_message, MountResponse)
 
     def _feed_items_sent(self, count, from_cache):
         self.metrics.feed_items.inc(count, self.partition_id)
@@ -717,6 +735,15 @@ class ServerPartition:
         self.locks.release(held)
         self._in_flight -= 1
         self.metrics.store_failures.inc(1, self.partition_id)
+        if failure.check(AppendFateUnknown, PartitionNotOwned) and self.state is not PartitionState.CLOSED:
+            # The store partition is lost: the next owner decides whether this append committed. No
+            # barrier may fire with this server's high-water mark, which does not count it: a FLUSH
+            # answered or a mount READY now would let the client fail, and retry, an append that
+            # may yet commit (a duplicate). The partition stops serving at once.
+            self.log.warn("partition {pid}: store partition lost ({reason}); closing",
+                          pid=self.partition_id, reason=failure.getErrorMessage())
+            self.close().addErrback(lambda f: self.log.failure("closing partition {pid} failed", f,
+                                                                 pid=self.partition_id))
         level = self._STORE_FAILURES.get(failure.type)
         if level is None:
             self.log.failure("partition {pid}: append {req_id} failed", failure, pid=self.partition_id,
