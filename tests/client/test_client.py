@@ -153,16 +153,22 @@ def test_own_req_id_in_the_feed_fails_older_pending_appends_which_are_retried(ha
     assert [r.client_hwm for r in retried] == [0, 0]   # re-executed after the success was applied
 
 
-def test_lock_failure_is_retried_only_once_the_client_hwm_reaches_the_transaction(harness):
-    harness.commit(0)
-    client = harness.client()
+def _waiting_to_retry_after_a_lock_failure(harness, client):
+    """Execute a context whose append fails on a lock of transaction 3, which the client has not seen."""
     harness.server_a.hold_appends = True
     context = RecordingContext(write_locks=[("account", 1)])
     d = client.execute(context)
     harness.settle()
     harness.server_a.lock_fail_held(0, 3)
     harness.settle()
-    assert context.events == ["execute", "lock failure"]
+    assert context.events == ["execute", "lock failure"] and outcome(d) is None
+    return context, d
+
+
+def test_lock_failure_is_retried_only_once_the_client_hwm_reaches_the_transaction(harness):
+    harness.commit(0)
+    client = harness.client()
+    context, d = _waiting_to_retry_after_a_lock_failure(harness, client)
     harness.server_a.hold_appends = False
     harness.commit(0)                     # txn 1
     harness.commit(0)                     # txn 2
@@ -183,18 +189,6 @@ def test_lock_failure_behind_the_client_hwm_is_retried_at_once(harness):
     harness.server_a.lock_fail_held(0, 0)
     harness.settle()
     assert context.executions == 2
-
-
-def _waiting_to_retry_after_a_lock_failure(harness, client):
-    """Execute a context whose append fails on a lock of transaction 3, which the client has not seen."""
-    harness.server_a.hold_appends = True
-    context = RecordingContext(write_locks=[("account", 1)])
-    d = client.execute(context)
-    harness.settle()
-    harness.server_a.lock_fail_held(0, 3)
-    harness.settle()
-    assert context.events == ["execute", "lock failure"] and outcome(d) is None
-    return context, d
 
 
 def test_an_execution_waiting_to_retry_after_a_lock_failure_fails_when_the_client_closes(harness):

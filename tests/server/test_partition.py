@@ -371,13 +371,19 @@ def test_appends_from_an_unmounted_connection_are_dropped(h):
 
 # -- flush and high-water mark ----------------------------------------------------------------
 
-def test_flush_answers_once_every_earlier_append_settled(h):
+def mounted_with_two_appends_then_a_flush(h):
+    """A mounted connection that sent appends 1 and 2 (still with the store), then FlushRequest 3."""
     conn = DummyConnection()
     h.mount(conn)
     conn.take()
     h.handle(conn, append(1))
     h.handle(conn, append(2))
     h.handle(conn, FlushRequest(rid(3)))
+    return conn
+
+
+def test_flush_answers_once_every_earlier_append_settled(h):
+    conn = mounted_with_two_appends_then_a_flush(h)
     later = h.handle(conn, append(4))
     assert conn.sent == [] and len(h.store.pending) == 2
     assert h.partition.append_state is AppendTaskState.WAITING_FOR_DRAIN
@@ -511,12 +517,7 @@ def test_a_feed_request_of_the_current_mount_before_ready_is_dropped():
 
 @pytest.mark.parametrize("error", [AppendFateUnknown, PartitionNotOwned])
 def test_a_lost_store_closes_the_partition_before_any_flush_or_mount_is_answered(h, error):
-    conn = DummyConnection()
-    h.mount(conn)
-    conn.take()
-    h.handle(conn, append(1))
-    h.handle(conn, append(2))
-    h.handle(conn, FlushRequest(rid(3)))
+    conn = mounted_with_two_appends_then_a_flush(h)
     again = DummyConnection("remount")
     h.handle(again, MountRequest(rid(4), -1, 2))   # the client remounting meanwhile
     h.store.fail(1, error)
