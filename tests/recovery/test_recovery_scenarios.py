@@ -407,6 +407,25 @@ async def test_replica_added_removed_and_replaced(scenario):
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_replica_added_while_another_is_down_does_not_outvote_what_a_quorum_acknowledged(scenario):
+    a, b, c = await scenario.add_storages(3)
+    partition = await scenario.open_store()
+    await append_all(partition, range(5))
+    await c.stop()                           # the next session writes on a and b alone: 2 of 3
+    assert await append_all(partition, range(5, 21)) == list(range(5, 21))
+    (d,) = await scenario.add_storages(1)   # a new session over a, b, c, d, with c still down
+    # Only a and b took part in the last session: they decide (at 20) without c. Counting the vote
+    # over the new assignment (quorum 3 of 4) would wait for c, which holds only 0..4, and d, which
+    # holds nothing, and resolve at 4: acknowledged transactions 5..20 would be truncated.
+    await until(lambda: partition.healthy and set(partition.session.replicas) == {s.name for s in (a, b, c, d)}, 15)
+    assert partition.high_water_mark == 20
+    await c.start()
+    await append_all(partition, [21])
+    await all_joined(scenario, partition)
+    await assert_replicas_hold(scenario, range(22))
+
+
+@pytest_twisted.ensureDeferred
 async def test_second_session_fences_the_first(scenario):
     await scenario.add_storages(3)
     old = await scenario.open_store(generation=1)

@@ -14,10 +14,20 @@ chained Deferreds and whose state changes only through :meth:`_enter`
   low-water mark: only what it had when its last session started is trusted.
 * A replica whose closing high-water mark was already resolved by an earlier
   recovery is truncated to it.
-* Every replica then votes with its max transaction id. The partition's
-  :class:`RecoveryManager` re-evaluates the vote (:mod:`waltz.recovery.voting`)
-  whenever a vote arrives and stays ``UNDECIDABLE`` while missing votes could
-  change the outcome.
+* The replicas of the *electorate* then vote with their max transaction id.
+  The electorate is the set of replicas that took part in the last session
+  that could write (their replica state is unresolved), whether or not they
+  are still assigned: only they can hold that session's committed writes, and
+  its quorum was a majority of at least them. A replica new to the partition,
+  or one resolved at an earlier closing mark, does not vote; it is brought to
+  the resolved mark like the others. (Counting the votes over the *new*
+  assignment instead would let added, empty replicas outvote the ones that
+  hold acknowledged transactions, and truncate them.) A partition that never
+  had a session has no electorate; then every assigned replica votes. The
+  partition's :class:`RecoveryManager` re-evaluates the vote
+  (:mod:`waltz.recovery.voting`) whenever a vote arrives and stays
+  ``UNDECIDABLE`` while missing votes, including those of members no longer
+  assigned, could change the outcome.
 * Once resolved at R, each replica drops anything after R, copies what it lacks
   up to R from a replica that holds it (batches of 20), and records R as its
   low-water mark for the new session.
@@ -160,7 +170,7 @@ class ReplicaRecovery:
 
     def _cast_vote(self, _):
         self._enter(ReplicaRecoveryState.VOTED)
-        if self.vote is None:
+        if self.vote is None and self.storage in self.manager.electorate:
             self.vote = self.max_transaction_id
             self.manager.voted(self)
 
@@ -227,6 +237,8 @@ class RecoveryManager:
         self.metrics = metrics
         self.retry_interval = retry_interval
         self.quorum = quorum_of(len(self.replicas))
+        #: The storages whose votes decide the closing high-water mark (see the module docstring).
+        self.electorate = electorate_of(metadata, self.replicas)
         self.state = None
         self.stopped = False
         self.high_water_mark = None
@@ -291,7 +303,7 @@ class RecoveryManager:
         if self.high_water_mark is not None:
             return
         votes = [r.vote for r in self.recoveries.values() if r.vote is not None]
-        outcome = resolve_high_water_mark(votes, len(self.replicas))
+        outcome = resolve_high_water_mark(votes, len(self.electorate))
         if not outcome.decided:
             if self.state is not PartitionRecoveryState.UNDECIDABLE or len(votes) == 1:
                 self._enter(PartitionRecoveryState.UNDECIDABLE, outcome.reason)
@@ -377,6 +389,14 @@ class RecoveryManager:
             else:
                 states.append(old)
         return attr.evolve(current, replica_states=tuple(states))
+
+
+def electorate_of(metadata, assigned) -> frozenset:
+    """The storages that vote on the closing high-water mark: those whose replica state in ``metadata``
+    is unresolved (they took part in the last session that could write), or, when there are none (a
+    partition that never had a session), every storage in ``assigned``."""
+    members = frozenset(state.replica_id.storage for state in metadata.replica_states if not state.is_resolved)
+    return members or frozenset(assigned)
 
 
 @defer.inlineCallbacks

@@ -1,10 +1,12 @@
 """Quorum voting on the closing high-water mark of a store session (seed 000).
 
-Each replica that took part votes with its high-water mark X, which counts as
-a vote for every high-water mark H <= X. The resolved closing high-water mark
-is the highest H that a quorum (a majority of the *assigned* replicas) votes
-for: everything at or below it was on a quorum, so it may have been
-acknowledged; everything above it was never on a quorum, so it was not.
+Each replica of the electorate (the replicas that took part in the last
+session that could write; see :mod:`waltz.recovery.manager`) votes with its
+high-water mark X, which counts as a vote for every high-water mark H <= X.
+The resolved closing high-water mark is the highest H that a quorum (a
+majority of the electorate) votes for: everything at or below it was on a
+quorum, so it may have been acknowledged; everything above it was never on a
+quorum, so it was not.
 
 A replica that has not voted (unreachable, still being read) might hold more.
 Examining candidates from the highest down, a candidate whose votes plus the
