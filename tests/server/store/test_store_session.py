@@ -94,11 +94,15 @@ class DummyMetadata:
     def __init__(self):
         self.value = EMPTY_PARTITION_METADATA
         self.writes = 0
+        self.failing_updates = 0   # the next updates that fail (a lost ZooKeeper connection)
 
     def read(self, partition_id):
         return defer.succeed(self.value)
 
     def update(self, partition_id, change):
+        if self.failing_updates:
+            self.failing_updates -= 1
+            return defer.fail(ConnectionError("ZooKeeper connection lost"))
         self.value = change(self.value)
         self.writes += 1
         return defer.succeed(self.value)
@@ -256,6 +260,24 @@ def test_unsettled_batch_on_a_quorum_is_reported_committed():
     b.ack()
     assert not d.called
     h.clock.advance(0)
+    assert d.result == 0 and partition.high_water_mark == 0
+
+
+def test_a_failed_recovery_starts_one_new_session_and_never_replaces_a_live_one():
+    h = Harness(manual=True)
+    h.metadata.failing_updates = 1     # the first recovery's metadata write fails
+    partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=1, retry_interval=0.5)
+    partition.open()
+    first = h.sessions[0]
+    assert first.state is SessionState.CLOSED
+    h.clock.advance(0)
+    second = h.sessions[1]
+    assert second.state is SessionState.WRITING and partition.session is second
+    d = partition.append(ReqId(1, 1, 0, 0), 0, b"x", checksum(b"x"))
+    h.clock.advance(0.5)               # when the failed recovery's own retry comes due
+    assert len(h.sessions) == 2 and partition.session is second and partition.sessions_started == 2
+    for replica in second.replicas_by_name.values():
+        replica.ack()
     assert d.result == 0 and partition.high_water_mark == 0
 
 

@@ -134,8 +134,13 @@ class StorePartition:
         return self._start_session()
 
     def _start_session(self):
+        # A failed recovery asks for a new session twice (its session closing, and its Deferred failing):
+        # only one may start. A later request would replace a live session without closing it, and
+        # strand the batches in flight in it.
         if self.closed or self.lost or self._opening is not None:
             return self._opening
+        if self.session is not None and self.session.state is not SessionState.CLOSED:
+            return None
         self._opening = d = self._session_factory(self.partition_id, self.generation, self._session_closed)
         d.addCallback(self._session_created)
         d.addErrback(self._session_failed)
