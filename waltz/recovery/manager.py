@@ -247,6 +247,7 @@ class RecoveryManager:
         self._recovered = set()
         self._complete = defer.Deferred()
         self._usher_waiters = []
+        self._usher_timer = None
 
     # -- states -------------------------------------------------------------------------------
 
@@ -285,6 +286,7 @@ class RecoveryManager:
         if self.stopped:
             return
         self.stopped = True
+        self._cancel_usher_timer()
         failure = RecoveryAborted("recovery of partition %d session %d stopped: %s"
                                   % (self.partition_id, self.session_id, reason))
         waiters = self._usher_waiters + self._resolution_waiters
@@ -331,14 +333,22 @@ class RecoveryManager:
                 return defer.succeed(other.replica)
         waiter = defer.Deferred()
         self._usher_waiters.append(waiter)
-        # Re-check shortly: a replica holding the records may reconnect.
-        self.reactor.callLater(self.retry_interval, self._offer_ushers)
+        # Re-check shortly: a replica holding the records may reconnect. One timer serves every waiter
+        # (a timer per waiter, each waking all of them, would double the timers at every interval).
+        if self._usher_timer is None:
+            self._usher_timer = self.reactor.callLater(self.retry_interval, self._offer_ushers)
         return waiter.addCallback(lambda _: self.usher_for(recovery, first))
 
     def _offer_ushers(self):
+        self._cancel_usher_timer()
         waiters, self._usher_waiters = self._usher_waiters, []
         for waiter in waiters:
             waiter.callback(None)
+
+    def _cancel_usher_timer(self):
+        timer, self._usher_timer = self._usher_timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
 
     def replica_recovered(self, recovery):
         if self.stopped:

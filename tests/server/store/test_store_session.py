@@ -281,6 +281,74 @@ def test_a_failed_recovery_starts_one_new_session_and_never_replaces_a_live_one(
     assert d.result == 0 and partition.high_water_mark == 0
 
 
+def test_a_batch_not_sent_to_a_replica_that_fell_behind_does_not_wait_for_it():
+    h = Harness(manual=True)
+    session = started(h)
+    session.max_outstanding_batches = 2
+    a, b, c = (session.replicas_by_name[s] for s in STORAGES)
+    for n in range(2):
+        session.write(records(n, 1))
+        b.ack()
+        c.ack()                                # committed on b and c; a is slow: 2 outstanding
+    last = session.write(records(2, 1))        # not sent to a, which fell behind: close after this batch
+    assert len(a.pending) == 2 and len(b.pending) == len(c.pending) == 1 and not session.writable
+    b.fail()                                   # now only c can still ack it: 1 of the 2 needed
+    assert session.state is SessionState.CLOSED
+    assert last.called and isinstance(last.result.value, SessionClosed)
+    last.addErrback(lambda f: None)
+
+
+class JoiningReplica(DummyReplica):
+    """A replica whose connection (hence its recovery) comes when the test calls :meth:`connect`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._connected = defer.Deferred()
+
+    def when_connected(self):
+        d = defer.Deferred()
+        self._connected.addCallback(lambda _: d.callback(self))
+        return d
+
+    def connect(self):
+        self._connected.callback(None)
+
+
+def test_replicas_joining_at_once_are_admitted_only_with_no_batch_in_flight():
+    storages = ("a:1", "b:1", "c:1", "d:1", "e:1")
+    metadata = DummyMetadata()
+    metadata.value = metadata.value.__class__(1, 1, metadata.value.replica_states)
+    replicas = {s: (JoiningReplica if s in ("d:1", "e:1") else DummyReplica)(s, 1, [], True) for s in storages}
+    session = StoreSession(0, metadata.value, replicas, metadata, Clock())
+    session.start()
+    assert session.state is SessionState.WRITING and set(session.joined) == {"a:1", "b:1", "c:1"}
+    batch = session.write(records(0, 1))
+    replicas["d:1"].connect()                  # d recovers and holds new batches until batch 0 settles
+    replicas["e:1"].connect()                  # so does e, which must not ride on d's hold
+    assert set(session.joined) == {"a:1", "b:1", "c:1"} and not session.writable
+    replicas["a:1"].ack()
+    replicas["b:1"].fail()                     # the session will close once batch 0 settles...
+    replicas["c:1"].ack()                      # ...and it does: 2 acks of the 3 it was sent to, quorum 3 of 5
+    assert batch.called and isinstance(batch.result.value, SessionClosed)
+    batch.addErrback(lambda f: None)
+    assert session.state is SessionState.CLOSED
+
+
+def test_joins_admitted_one_after_the_other_get_every_batch_after_they_join():
+    storages = ("a:1", "b:1", "c:1", "d:1", "e:1")
+    metadata = DummyMetadata()
+    metadata.value = metadata.value.__class__(1, 1, metadata.value.replica_states)
+    replicas = {s: (JoiningReplica if s in ("d:1", "e:1") else DummyReplica)(s, 1, []) for s in storages}
+    session = StoreSession(0, metadata.value, replicas, metadata, Clock())
+    session.start()
+    session.write(records(0, 2))
+    replicas["d:1"].connect()
+    replicas["e:1"].connect()
+    assert set(session.joined) == set(storages) and session.writable
+    session.write(records(2, 1))
+    assert all([r.transaction_id for r in replica.log] == [0, 1, 2] for replica in replicas.values())
+
+
 def test_checkpoint_interval_starts_a_new_session():
     h = Harness()
     partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=1, checkpoint_interval=3)

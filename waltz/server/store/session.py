@@ -14,10 +14,13 @@ and, once it is within :data:`JOIN_HOLD_THRESHOLD` transactions, new batches
 are held while the last few are copied, so it joins exactly at the committed
 high-water mark (receiving the batch in flight, if any).
 
+Each join waits for the batches in flight itself, so that several replicas
+joining at once are each admitted with no batch in flight.
+
 A session never takes a replica back: a joined replica that fails, falls too
-far behind or disconnects makes the session close (after the batch in flight
-commits, if it reaches quorum), and the store partition starts a new session
-with its own recovery.
+far behind or disconnects makes the session close (after the batches in flight
+commit, if each can still reach quorum from the replicas it was sent to), and
+the store partition starts a new session with its own recovery.
 """
 
 import collections
@@ -50,10 +53,11 @@ class SessionState(enum.Enum):
 class _Batch:
     """One write in flight: which joined replicas acknowledged or failed it."""
 
-    __slots__ = ("records", "acks", "failures", "deferred")
+    __slots__ = ("records", "sent", "acks", "failures", "deferred")
 
     def __init__(self, records):
         self.records = records
+        self.sent = 0          # joined replicas it was sent to (one that fell behind is skipped)
         self.acks = 0
         self.failures = 0
         self.deferred = defer.Deferred()
@@ -87,7 +91,7 @@ class StoreSession:
         self._outstanding = {}
         self._close_after_batch = None
         self._batches = collections.deque()
-        self._holding = False
+        self._holders = 0          # joins holding new batches until they are admitted
         self._idle_waiters = []
         self._writable_listeners = []
 
@@ -99,7 +103,7 @@ class StoreSession:
 
     @property
     def writable(self):
-        return self.state is SessionState.WRITING and self._close_after_batch is None and not self._holding
+        return self.state is SessionState.WRITING and self._close_after_batch is None and not self._holders
 
     def add_writable_listener(self, listener):
         """``listener()`` is called when the session becomes writable again after holding batches."""
@@ -149,25 +153,28 @@ class StoreSession:
         replica = self.replicas[storage]
         yield self.metadata_store.update(self.partition_id, lambda current: self._with_member(current, replica))
         copied = yield replica.max_transaction_id()
+        holding = False
         try:
             while True:
                 self._check_writing()
-                if not self._holding and self.high_water_mark - copied <= JOIN_HOLD_THRESHOLD:
-                    self._holding = True
+                if not holding and self.high_water_mark - copied <= JOIN_HOLD_THRESHOLD:
+                    # Each join waits for the batches in flight itself: one admitted while a batch is
+                    # in flight would miss that batch's records.
+                    holding = True
+                    self._holders += 1
                     yield self._idle()
                     self._check_writing()
                 if copied < self.high_water_mark:
                     copied = yield copy_records(self._source_for, replica, copied + 1, self.high_water_mark)
                     continue
-                if self._holding:
+                if holding:
                     break
-        except Exception:
-            self._release()
-            raise
-        self._admit(storage)
-        self.log.info("partition {pid} store session {sid}: replica {storage} joined at {hwm}",
-                      pid=self.partition_id, sid=self.session_id, storage=storage, hwm=self.high_water_mark)
-        self._release()
+            self._admit(storage)
+            self.log.info("partition {pid} store session {sid}: replica {storage} joined at {hwm}",
+                          pid=self.partition_id, sid=self.session_id, storage=storage, hwm=self.high_water_mark)
+        finally:
+            if holding:
+                self._release()
 
     def _with_member(self, current, replica):
         """The metadata with ``replica`` recorded as taking part in this session."""
@@ -197,8 +204,9 @@ class StoreSession:
         return waiter
 
     def _release(self):
-        if self._holding:
-            self._holding = False
+        """One join stopped holding new batches; the last one makes the session writable again."""
+        self._holders -= 1
+        if not self._holders:
             for listener in list(self._writable_listeners):
                 listener()
 
@@ -242,14 +250,17 @@ class StoreSession:
             return defer.fail(SessionClosed("session %d is not writable (%s)" % (self.session_id, self.state.value)))
         batch = _Batch(tuple(records))
         self._batches.append(batch)
-        for storage, replica in sorted(self.joined.items()):
-            if self._outstanding[storage] >= self.max_outstanding_batches:
-                self._leave(storage, "fell %d batches behind" % self._outstanding[storage])
-                continue
+        behind = [storage for storage in sorted(self.joined)
+                  if self._outstanding[storage] >= self.max_outstanding_batches]
+        receivers = [(storage, replica) for storage, replica in sorted(self.joined.items()) if storage not in behind]
+        batch.sent = len(receivers)
+        for storage, replica in receivers:
             self._outstanding[storage] += 1
             d = replica.append(batch.records)
             d.addCallbacks(self._acked, self._append_failed, callbackArgs=(batch, storage),
                            errbackArgs=(batch, storage))
+        for storage in behind:     # after sending, so that the batch's own chances are known
+            self._leave(storage, "fell %d batches behind" % self._outstanding[storage])
         return batch.deferred
 
     def _acked(self, _, batch, storage):
@@ -266,7 +277,7 @@ class StoreSession:
         self._leave(storage, "failed an append: %s" % failure.getErrorMessage())
 
     def _can_commit(self, batch):
-        pending = len(self.joined) - batch.acks - batch.failures
+        pending = batch.sent - batch.acks - batch.failures
         return batch.acks + pending >= self.quorum and not batch.deferred.called
 
     def _commit(self, batch):
