@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from waltz.storage import segment as segment_module
-from waltz.storage.errors import RecordChecksumMismatch, StorageClosed, TransactionIdOutOfSequence
+from waltz.storage.errors import RecordChecksumMismatch, StorageClosed, SyncFailed, TransactionIdOutOfSequence
 from waltz.storage.partition_log import PartitionLog
 from waltz.storage.segment import RECORD_OVERHEAD, data_file_name, index_file_name
 
@@ -98,6 +98,38 @@ def test_an_empty_log_starts_at_transaction_zero(log):
     log.append([])
     assert log.max_transaction_id == -1
     assert log.segment_ids == ()
+
+
+@pytest.mark.parametrize("when", ["checkpoint", "roll", "group commit"])
+def test_a_failed_fdatasync_makes_the_log_refuse_everything_after_it(tmp_path, monkeypatch, when):
+    # The kernel reports a writeback error to one fdatasync, then marks the pages clean: a later
+    # fdatasync succeeds with the data lost. So one failure must be final.
+    log = open_log(tmp_path, segment_size_threshold=SMALL) if when == "roll" else open_log(tmp_path)
+    first = {"checkpoint": 996, "roll": 3, "group commit": 0}[when]
+    if first:
+        log.append(small_records(0, first))
+        log.sync()
+    real_datasync, failures = segment_module.datasync, []
+
+    def datasync_failing_once(fd):
+        if not failures:
+            failures.append(fd)
+            raise OSError(5, "Input/output error")
+        real_datasync(fd)
+
+    monkeypatch.setattr(segment_module, "datasync", datasync_failing_once)
+    log.append(small_records(first, 1))          # written, not synced yet
+    with pytest.raises(SyncFailed, match="Input/output error"):
+        if when == "group commit":
+            log.sync()
+        else:                                     # crosses checkpoint 1000, or fills the segment and rolls
+            log.append(small_records(first + 1, 4 if when == "checkpoint" else 3))
+    assert failures
+    for attempt in (log.sync, lambda: log.append(small_records(log.max_transaction_id + 1, 1)),
+                    lambda: log.read_records(0, 1), lambda: log.truncate(0)):
+        with pytest.raises(SyncFailed, match="restart the storage node"):
+            attempt()
+    log.close()
 
 
 @pytest.mark.parametrize("failing_write", [

@@ -6,6 +6,9 @@ import pytest
 import pytest_twisted
 from twisted.internet import defer, reactor, threads
 
+from tests.storage.test_segment import make_records, open_log
+from waltz.storage import segment as segment_module
+from waltz.storage.errors import SyncFailed
 from waltz.storage.worker import PartitionWorker, WorkerFailed, WorkerStopped
 
 
@@ -104,6 +107,35 @@ async def test_failed_sync_fails_its_writes_and_every_later_job(worker, disk):
     with pytest.raises(WorkerFailed):
         await worker.submit_write(disk.write, 2)
     assert ("read", "r") not in disk.events
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_append_written_before_a_failed_fdatasync_is_never_acknowledged(tmp_path, monkeypatch):
+    log = open_log(tmp_path)
+    log.append(make_records(0, 996))
+    log.sync()
+    real_datasync, failures = segment_module.datasync, []
+
+    def datasync_failing_once(fd):   # the error is reported once; the next fdatasync returns 0
+        if not failures:
+            failures.append(fd)
+            raise OSError(5, "Input/output error")
+        real_datasync(fd)
+
+    monkeypatch.setattr(segment_module, "datasync", datasync_failing_once)
+    worker = PartitionWorker("p0", reactor, log.sync)
+    first = worker.submit_write(log.append, make_records(996, 3))     # written, to be synced by the batch
+    crossing = worker.submit_write(log.append, make_records(999, 3))  # its checkpoint sync before 1000 fails
+    worker.start()                                                     # both in one batch
+    try:
+        for d in (first, crossing):
+            with pytest.raises((SyncFailed, WorkerFailed)):
+                await d
+        with pytest.raises((SyncFailed, WorkerFailed)):
+            await worker.submit_write(log.append, make_records(999, 1))
+    finally:
+        await worker.stop()
+        log.close()
 
 
 @pytest_twisted.ensureDeferred

@@ -54,5 +54,12 @@ class RecordChecksumMismatch(InvalidAppend):
     """A record's data does not match its data checksum."""
 
 
+class SyncFailed(StorageError):
+    """An fdatasync failed. What was written since the last successful one may not be on disk, and no
+    later fdatasync can tell: the kernel reports a writeback error once, then marks the pages clean.
+    So the partition's log refuses everything after it (fail-stop); restarting the storage node
+    recovers the partition from what is on disk."""
+
+
 class StorageClosed(StorageError):
     """The object was used after ``close()``."""

@@ -16,18 +16,32 @@ that partition's worker thread; nothing here takes a lock.
 
 import bisect
 import collections
+import functools
 import os
 import shutil
 import time
 import uuid
 
 from waltz.storage.errors import (
-    RecordChecksumMismatch, SegmentError, StorageClosed, TransactionIdOutOfSequence,
+    RecordChecksumMismatch, SegmentError, StorageClosed, StorageError, SyncFailed, TransactionIdOutOfSequence,
 )
 from waltz.storage.fileio import fsync_directory
 from waltz.storage.segment import (
     Segment, encode_record, list_segments, remove_segment_files, remove_stray_files,
 )
+
+def _final_on_sync_failure(method):
+    """A :class:`SyncFailed` raised by ``method`` fails every later use of the log (see SyncFailed)."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except SyncFailed as exc:
+            if self._sync_failure is None:
+                self._sync_failure = exc
+            raise
+    return guarded
+
 
 DEFAULT_SEGMENT_SIZE_THRESHOLD = 1_000_000_000
 DEFAULT_SEGMENT_CACHE_CAPACITY = 5
@@ -56,6 +70,7 @@ class PartitionLog:
         self._active = None     # the newest segment, open for writing
         self._cache = collections.OrderedDict()  # first txn id -> older Segment, least recently used first
         self._closed = False
+        self._sync_failure = None   # the SyncFailed that made the log unusable (see SyncFailed)
 
     @classmethod
     def open(cls, storage_dir: str, key: uuid.UUID, partition_id: int, local_low_water_mark: int = -1,
@@ -101,6 +116,7 @@ class PartitionLog:
 
     # -- writing -----------------------------------------------------------------------------
 
+    @_final_on_sync_failure
     def append(self, records) -> None:
         """Append a batch of records, or raise and write nothing of it.
 
@@ -166,6 +182,7 @@ class PartitionLog:
         self._active = segment
         self._segment_ids.append(first_transaction_id)
 
+    @_final_on_sync_failure
     def sync(self, index: bool = False) -> None:
         """Make every append so far durable: fdatasync the active data file.
 
@@ -177,6 +194,7 @@ class PartitionLog:
         if self._active is not None:
             self._active.sync(index=index)
 
+    @_final_on_sync_failure
     def truncate(self, transaction_id: int) -> None:
         """Keep the records up to ``transaction_id`` and delete the rest, durably.
 
@@ -295,7 +313,7 @@ class PartitionLog:
         for segment in segments:
             try:
                 segment.close()
-            except OSError as exc:
+            except (OSError, StorageError) as exc:
                 errors.append(exc)
         if errors:
             raise errors[0]
@@ -316,6 +334,9 @@ class PartitionLog:
     def _check_open(self) -> None:
         if self._closed:
             raise StorageClosed("partition %d's log is closed" % self.partition_id)
+        if self._sync_failure is not None:
+            raise SyncFailed("partition %d's log is unusable after a failed fdatasync (%s); restart the storage "
+                             "node to recover it from disk" % (self.partition_id, self._sync_failure))
 
     def __repr__(self):
         return "<PartitionLog %d in %s, max %d, %d segments>" % (

@@ -33,7 +33,7 @@ import uuid
 import attr
 
 from waltz.protocols.values import Record, ReqId, checksum, checksum_update
-from waltz.storage.errors import CorruptedRecord, SegmentError, StorageClosed, StorageError
+from waltz.storage.errors import CorruptedRecord, SegmentError, StorageClosed, StorageError, SyncFailed
 from waltz.storage.fileio import datasync, file_size, fsync_directory, pread_upto, pwrite_all
 from waltz.storage.index import FILE_HEADER_SIZE, SegmentIndex
 
@@ -463,13 +463,19 @@ class Segment:
         self._index.truncate(count)
 
     def sync(self, index: bool = False) -> None:
-        """fdatasync the data file (and the index with ``index=True``) if written since the last sync."""
+        """fdatasync the data file (and the index with ``index=True``) if written since the last sync.
+
+        Raises :class:`SyncFailed` when an fdatasync fails.
+        """
         self._check_open()
-        if self._data_dirty:
-            datasync(self._data_fd)
-            self._data_dirty = False
-        if index:
-            self._index.sync()
+        try:
+            if self._data_dirty:
+                datasync(self._data_fd)
+                self._data_dirty = False
+            if index:
+                self._index.sync()
+        except OSError as exc:
+            raise SyncFailed("fdatasync of segment %s failed: %s" % (self.data_path, exc)) from exc
 
     # -- reading -----------------------------------------------------------------------------
 
