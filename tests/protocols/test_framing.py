@@ -17,6 +17,7 @@ from twisted.test import iosim
 from waltz.protocols.base import WaltzProtocol
 from waltz.protocols.errors import DecodeError, UnknownMessageType
 from waltz.protocols.framing import Hello, encode_frame, negotiate
+from waltz.storage.handlers import AdminServerProtocol, StorageServerProtocol
 from waltz.protocols.errors import HandshakeError
 
 
@@ -267,6 +268,41 @@ def test_protocol_is_push_producer_for_outbound_flow_control():
     transport.producer.resumeProducing()
     assert proto.writable
     assert proto.paused_events == ["paused", "resumed"]
+
+
+def test_a_request_server_stops_reading_while_its_peer_does_not_read_its_answers():
+    pending = []
+
+    def slow(message):
+        d = defer.Deferred()
+        pending.append(d)
+        return d
+
+    proto = RecordingProtocol(results=slow)
+    proto.pause_reading_while_unwritable = True
+    proto.inbound_high_watermark = 4
+    proto.inbound_low_watermark = 2
+    proto, transport = ready(proto)
+    transport.producer.pauseProducing()        # the transport's write buffer is full
+    assert transport.producerState == "paused" and proto.reading_paused
+    proto.dataReceived(b"".join(frame(b"%d" % i) for i in range(8)))
+    assert proto.received == []                # buffered, not decoded: no more answers to buffer
+    transport.producer.resumeProducing()
+    assert proto.received == [b"0", b"1", b"2", b"3"]   # up to the inbound high watermark
+    assert transport.producerState == "paused"
+    transport.producer.pauseProducing()        # both reasons now
+    for d in pending[:2]:
+        d.callback(None)                       # inbound is low again, but the peer still does not read
+    assert proto.received == [b"0", b"1", b"2", b"3"] and transport.producerState == "paused"
+    transport.producer.resumeProducing()
+    assert proto.received == [b"%d" % i for i in range(6)]
+    assert proto.paused_events == ["paused", "resumed", "paused", "resumed"]
+
+
+def test_storage_connections_stop_reading_while_their_peer_does_not_read():
+    assert StorageServerProtocol.pause_reading_while_unwritable
+    assert AdminServerProtocol.pause_reading_while_unwritable
+    assert not WaltzProtocol.pause_reading_while_unwritable   # feeds pause themselves (waltz.server.feed)
 
 
 def test_two_real_peers_negotiate_and_exchange_messages():

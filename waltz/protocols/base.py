@@ -20,7 +20,8 @@
 * is itself an ``IPushProducer`` registered with its transport, so it learns
   when the peer reads too slowly: :attr:`writable` turns false and
   :meth:`outboundPaused` / :meth:`outboundResumed` are called, which feeds use
-  to stop producing.
+  to stop producing; with :attr:`pause_reading_while_unwritable` it also stops
+  reading until the peer catches up.
 
 Subclasses implement :meth:`messageReceived` and may override
 :meth:`connectionReady` (handshake complete) and :meth:`connectionClosed`.
@@ -61,6 +62,10 @@ class WaltzProtocol(Protocol):
     hello_name = "Waltz"
     max_frame_size = DEFAULT_MAX_FRAME_SIZE
     inbound_high_watermark = 600
+    #: Stop reading while the peer does not read what is written (the transport's buffer is full).
+    #: For request/response servers, where every request read makes an answer to buffer: without it a
+    #: peer that sends requests and never reads would grow the buffer until the process runs out of memory.
+    pause_reading_while_unwritable = False
     inbound_low_watermark = 300
     #: Seconds without writes before a keep-alive frame is sent; ``None`` disables.
     keepalive_interval = None
@@ -75,7 +80,7 @@ class WaltzProtocol(Protocol):
         self._offset = 0
         self._outbox = []
         self._pending_inbound = 0
-        self._reading_paused = False
+        self._read_pauses = set()   # why reading is paused: "inbound", "outbound"
         self._keepalive_call = None
         self.writable = True
 
@@ -212,7 +217,7 @@ class WaltzProtocol(Protocol):
 
     def _process_buffer(self):
         try:
-            while not self.closed and not self._reading_paused:
+            while not self.closed and not self._read_pauses:
                 if self.version is not None and not self._deliver_frames():
                     break
                 frame = self._next_frame()
@@ -237,7 +242,7 @@ class WaltzProtocol(Protocol):
         buffer, unpack = self._buffer, HEADER.unpack_from
         magic, version, limit = self.codec.magic, self.version, self.max_frame_size
         decode = self.codec.decode
-        while not self.closed and not self._reading_paused:
+        while not self.closed and not self._read_pauses:
             start = self._offset
             if len(buffer) - start < HEADER_SIZE:
                 return False
@@ -302,7 +307,7 @@ class WaltzProtocol(Protocol):
         if is_deferred(result):
             self._pending_inbound += 1
             if self._pending_inbound >= self.inbound_high_watermark:
-                self._pause_reading()
+                self._pause_reading("inbound")
             result.addBoth(self._inbound_done)
 
     def _inbound_done(self, result):
@@ -310,18 +315,20 @@ class WaltzProtocol(Protocol):
         if isinstance(result, Failure):
             self.log.failure("handler error on connection from {peer}", result, peer=self.peer)
             self.close("handler error: %s" % result.getErrorMessage())
-        elif self._reading_paused and self._pending_inbound <= self.inbound_low_watermark:
-            self._resume_reading()
+        elif self._pending_inbound <= self.inbound_low_watermark:
+            self._resume_reading("inbound")
         return None
 
-    def _pause_reading(self):
-        if not self._reading_paused:
-            self._reading_paused = True
+    def _pause_reading(self, reason):
+        if not self._read_pauses:
             self.transport.pauseProducing()
+        self._read_pauses.add(reason)
 
-    def _resume_reading(self):
-        self._reading_paused = False
-        if not self.closed:
+    def _resume_reading(self, reason):
+        if reason not in self._read_pauses:
+            return
+        self._read_pauses.discard(reason)
+        if not self._read_pauses and not self.closed:
             self.transport.resumeProducing()
             self._process_buffer()
 
@@ -337,16 +344,20 @@ class WaltzProtocol(Protocol):
 
     @property
     def reading_paused(self) -> bool:
-        return self._reading_paused
+        return bool(self._read_pauses)
 
     # -- IPushProducer: the transport tells us when the peer reads too slowly ---------
 
     def pauseProducing(self):
         self.writable = False
+        if self.pause_reading_while_unwritable:
+            self._pause_reading("outbound")
         self.outboundPaused()
 
     def resumeProducing(self):
         self.writable = True
+        if self.pause_reading_while_unwritable:
+            self._resume_reading("outbound")
         self.outboundResumed()
 
     def stopProducing(self):

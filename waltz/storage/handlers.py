@@ -27,6 +27,7 @@ class _RequestServerProtocol(WaltzProtocol):
 
     #: Request class -> name of the method that serves it (returns a response or a Deferred of one).
     handlers = {}
+    pause_reading_while_unwritable = True   # a peer that does not read its answers gets no more
     open_type = None
     failure_type = None
 
