@@ -223,7 +223,9 @@ def test_configurable_max_frame_size():
     assert transport.disconnecting
 
 
-def test_back_pressure_pauses_reading_and_resumes_when_consumer_catches_up():
+def slow_protocol():
+    """A RecordingProtocol whose every message stays "being handled" until the test fires its Deferred
+    (the list returned, in arrival order)."""
     pending = []
 
     def slow(message):
@@ -231,7 +233,11 @@ def test_back_pressure_pauses_reading_and_resumes_when_consumer_catches_up():
         pending.append(d)
         return d
 
-    proto = RecordingProtocol(results=slow)
+    return RecordingProtocol(results=slow), pending
+
+
+def test_back_pressure_pauses_reading_and_resumes_when_consumer_catches_up():
+    proto, pending = slow_protocol()
     proto.inbound_high_watermark = 4
     proto.inbound_low_watermark = 2
     proto, transport = ready(proto)
@@ -271,14 +277,7 @@ def test_protocol_is_push_producer_for_outbound_flow_control():
 
 
 def test_a_request_server_stops_reading_while_its_peer_does_not_read_its_answers():
-    pending = []
-
-    def slow(message):
-        d = defer.Deferred()
-        pending.append(d)
-        return d
-
-    proto = RecordingProtocol(results=slow)
+    proto, pending = slow_protocol()
     proto.pause_reading_while_unwritable = True
     proto.inbound_high_watermark = 4
     proto.inbound_low_watermark = 2
