@@ -17,6 +17,7 @@ from waltz.protocols import admin_messages as am
 from waltz.protocols import storage_messages as sm
 from waltz.protocols.rpc import AdminClientProtocol, RemoteError, RequestClientFactory, StorageClientProtocol
 from waltz.protocols.values import Record, ReqId
+from waltz.storage import segment as segment_module
 from waltz.storage.handlers import AdminServerProtocol, NodeFactory, StorageServerProtocol
 from waltz.storage.node import StorageNode
 
@@ -212,3 +213,23 @@ async def test_request_before_open_closes_only_that_connection(harness):
     with pytest.raises(Exception):
         await bad.opened
     assert (await good.request(sm.MaxTransactionIdRequest(1, 0, 0, False))).transaction_id == -1
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failed_fdatasync_fails_the_partition_for_good_and_says_so(harness, monkeypatch):
+    await assign(harness, 0, 1)
+    s = await harness.connect()
+    await s.request(sm.AppendRequest(1, 0, 0, records(0, 3), False))
+
+    def failing_datasync(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(segment_module, "datasync", failing_datasync)
+    with pytest.raises(RemoteError, match="Input/output error"):
+        await s.request(sm.AppendRequest(1, 0, 0, records(3, 2), False))
+    monkeypatch.undo()                   # the disk "works" again: the partition must not believe it
+    with pytest.raises(RemoteError, match="failed earlier"):
+        await s.request(sm.AppendRequest(1, 0, 0, records(3, 2), False))
+    problem = harness.node.partitions[0].problem
+    assert "restart the storage node" in problem and "Input/output error" in problem
+    assert harness.node.assigned_status() == ((0, False), (1, True))

@@ -227,5 +227,5 @@ class StorageNode:
 
     def assigned_status(self):
         """(partition id, serving) for every assigned partition; serving = opened, available, writable."""
-        return tuple((pid, p.failure is None and p.info.available)
+        return tuple((pid, p.problem is None and p.info.available)
                      for pid, p in sorted(self.partitions.items()))

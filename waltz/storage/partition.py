@@ -103,6 +103,15 @@ class StoragePartition:
         self.failure = failure
         self._metrics = metrics
 
+    @property
+    def problem(self):
+        """Why the partition cannot serve, for /health and the admin status (None when it can)."""
+        if self.failure is not None:
+            return "failed to open: %s" % self.failure
+        if self.worker is not None and self.worker.failure is not None:
+            return "failed: its disk worker stopped after %s; restart the storage node" % self.worker.failure
+        return None
+
     # -- the request path --------------------------------------------------------------
 
     def handle(self, message) -> defer.Deferred:

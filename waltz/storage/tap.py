@@ -76,9 +76,10 @@ class StorageService(AsyncStartService):
             self.ports.append(server)
 
     def problems(self):
-        """Health problems: partitions that failed to open (the original always reports healthy)."""
-        return ["partition %d failed: %s" % (pid, p.failure)
-                for pid, p in sorted(self.node.partitions.items()) if p.failure]
+        """Health problems: partitions that failed to open or whose disk failed (the original always reports
+        healthy)."""
+        return ["partition %d %s" % (pid, p.problem)
+                for pid, p in sorted(self.node.partitions.items()) if p.problem]
 
     @defer.inlineCallbacks
     def stop(self):

@@ -61,6 +61,11 @@ class PartitionWorker:
         self._stopped = defer.Deferred()
         self._thread = threading.Thread(target=self._run, name="waltz-disk-%s" % name, daemon=True)
 
+    @property
+    def failure(self):
+        """The error (a failed sync) that made the worker fail every job since, or None."""
+        return self._failure
+
     def start(self):
         self._thread.start()
 
