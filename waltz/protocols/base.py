@@ -62,11 +62,11 @@ class WaltzProtocol(Protocol):
     hello_name = "Waltz"
     max_frame_size = DEFAULT_MAX_FRAME_SIZE
     inbound_high_watermark = 600
+    inbound_low_watermark = 300
     #: Stop reading while the peer does not read what is written (the transport's buffer is full).
     #: For request/response servers, where every request read makes an answer to buffer: without it a
     #: peer that sends requests and never reads would grow the buffer until the process runs out of memory.
     pause_reading_while_unwritable = False
-    inbound_low_watermark = 300
     #: Seconds without writes before a keep-alive frame is sent; ``None`` disables.
     keepalive_interval = None
     #: The reactor (or a ``Clock`` in tests) used for keep-alive timers.

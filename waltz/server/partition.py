@@ -506,12 +506,13 @@ class ServerPartition:
             self.log.debug("partition {pid}: feed request of client {client} from an unmounted connection dropped",
                            pid=self.partition_id, client=req_id.client_id)
             return None
-        if req_id != self._mounts[req_id.client_id].req_id or self._owes_mount_response(connection):
+        mount = self._mounts[req_id.client_id].req_id
+        if req_id != mount or self._owes_mount_response(connection):
             # A feed request of an earlier mount on this connection, or one sent before the mount's
             # catch-up ended: taking it would replace that catch-up, and READY would never be sent.
             self.log.info("partition {pid}: feed request {req_id} of client {client} is not for its current "
                           "mount {mount}, or came before READY; dropped", pid=self.partition_id, req_id=req_id,
-                          client=req_id.client_id, mount=self._mounts[req_id.client_id].req_id)
+                          client=req_id.client_id, mount=mount)
             return None
         if request.client_hwm > self.high_water_mark:
             self.log.warn("partition {pid}: feed request of client {client} is ahead ({client_hwm} > {hwm}); dropped",

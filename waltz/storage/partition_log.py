@@ -30,6 +30,7 @@ from waltz.storage.segment import (
     Segment, encode_record, list_segments, remove_segment_files, remove_stray_files,
 )
 
+
 def _final_on_sync_failure(method):
     """A :class:`SyncFailed` raised by ``method`` fails every later use of the log (see SyncFailed)."""
     @functools.wraps(method)

@@ -250,9 +250,12 @@ class StoreSession:
             return defer.fail(SessionClosed("session %d is not writable (%s)" % (self.session_id, self.state.value)))
         batch = _Batch(tuple(records))
         self._batches.append(batch)
-        behind = [storage for storage in sorted(self.joined)
-                  if self._outstanding[storage] >= self.max_outstanding_batches]
-        receivers = [(storage, replica) for storage, replica in sorted(self.joined.items()) if storage not in behind]
+        receivers, behind = [], []
+        for storage, replica in sorted(self.joined.items()):
+            if self._outstanding[storage] >= self.max_outstanding_batches:
+                behind.append(storage)
+            else:
+                receivers.append((storage, replica))
         batch.sent = len(receivers)
         for storage, replica in receivers:
             self._outstanding[storage] += 1
