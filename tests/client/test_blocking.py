@@ -12,7 +12,7 @@ from twisted.internet import reactor, threads
 
 from tests.client.fakes import BASE_CONFIG, FakeDiscovery, FakeServer, FakeStore, RecordingContext
 from waltz.client.api import Outcome, WaltzClientCallbacks
-from waltz.client.blocking import BlockingWaltzClient, ensure_reactor_running
+from waltz.client.blocking import BlockingWaltzClient, call_blocking, ensure_reactor_running
 from waltz.client.discovery import PartitionLocation
 from waltz.client.network import Endpoint
 from waltz.protocols.values import ReqId
@@ -82,6 +82,59 @@ def test_the_facade_refuses_the_reactor_thread():
     # pytest-twisted runs the reactor in this thread
     with pytest.raises(RuntimeError, match="reactor thread"):
         ensure_reactor_running(reactor)
+
+
+def test_every_blocking_call_refuses_the_reactor_thread():
+    # Waiting on the reactor thread for the reactor would freeze it until the timeout (or for ever).
+    with pytest.raises(RuntimeError, match="reactor thread"):
+        call_blocking(reactor, lambda: 1, timeout=5)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_callback_may_close_the_client_from_its_worker_thread():
+    store, server, port, discovery = fake_cluster()
+    store.commit(0, ReqId(99, 1, 0, 0), 5, b"first")
+    closed = threading.Event()
+    errors = []
+
+    class Closing(BlockingCallbacks):
+        def apply_transaction(self, transaction):
+            try:
+                self.client.close()
+            except Exception as exc:        # before the fix: "cannot join current thread"
+                errors.append(exc)
+            closed.set()
+
+    def script():
+        callbacks = Closing()
+        callbacks.client = BlockingWaltzClient(callbacks, BASE_CONFIG, discovery=discovery, timeout=20)
+        assert closed.wait(20)
+        return callbacks.client
+    try:
+        client = await threads.deferToThread(script)
+    finally:
+        await port.stopListening()
+    assert errors == [] and client.client.state.value == "closed"
+
+
+def test_a_failed_constructor_leaves_no_thread_behind():
+    # A bad config key: the constructor raises, and nothing it started may keep the process alive.
+    script = textwrap.dedent("""
+        import threading
+        from tests.client.test_blocking import BlockingCallbacks
+        from waltz.client.blocking import BlockingWaltzClient
+        try:
+            BlockingWaltzClient(BlockingCallbacks(), {"zookeeper.connectString": "127.0.0.1:1",
+                                                      "cluster.root": "/t", "client.bogus": 1}, timeout=20)
+        except Exception as exc:
+            print(type(exc).__name__)
+        print(sorted(t.name for t in threading.enumerate() if t.is_alive() and t is not threading.main_thread()
+                     and not t.daemon))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=os.getcwd(), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["ConfigError", "[]"]
 
 
 def test_a_script_without_a_reactor_gets_one_in_a_thread(tmp_path):

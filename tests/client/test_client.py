@@ -846,6 +846,28 @@ def test_when_applied_lets_the_application_read_its_own_write(harness):
     assert outcome(pending).check(ClientClosedError)
 
 
+def test_when_applied_fails_for_a_partition_this_client_does_not_apply(harness):
+    client = harness.client(**{"client.autoMount": False})
+    harness.commit(0)
+    assert outcome(client.when_applied(0, 0)).check(PartitionInactiveError)     # never mounted
+    client.set_partitions([0])
+    harness.settle()
+    assert outcome(client.when_applied(0, 0)) == 0
+    waiting = client.when_applied(0, 5)
+    client.set_partitions([])
+    harness.settle()
+    assert client.partition_state(0) is PartitionState.INACTIVE
+    assert outcome(waiting).check(PartitionInactiveError)                         # dropped meanwhile
+    assert outcome(client.when_applied(0, 0)) == 0                                 # applied before: at once
+
+
+def test_a_client_that_cannot_join_closes_its_zookeeper_session(harness):
+    from waltz.zk.errors import ClusterNotFoundError
+    client = harness.client(join=False)
+    harness.discovery._waiting.pop().errback(ClusterNotFoundError("no Waltz cluster at /test"))
+    assert client.state is ClientState.FAILED and harness.discovery.closed
+
+
 def test_a_failing_high_water_mark_read_is_reported_and_retried(harness):
     callbacks = RecordingCallbacks()
     answers = [RuntimeError("database down"), "not a number", 0]

@@ -14,7 +14,8 @@ from twisted.internet import defer
 
 from tests.client.conftest import Harness
 from waltz.client.api import JsonSerializer, Transaction, TransactionContext
-from waltz.client.dbapi import DatabaseBehindError, DbApiClientCallbacks, _sql
+from waltz.client.dbapi import (
+    AutocommitError, DatabaseBehindError, DbApiClientCallbacks, _params, _sql, autocommits)
 from waltz.protocols import client_messages as m
 from waltz.protocols.values import ReqId
 
@@ -138,9 +139,64 @@ def test_a_process_crash_between_apply_and_commit_applies_nothing(bank):
 
 def test_paramstyles():
     assert _sql("A = {} AND B = {}", "qmark") == "A = ? AND B = ?"
-    assert _sql("A = {}", "format") == "A = %s"
-    with pytest.raises(ValueError):
-        _sql("A = {}", "named")
+    assert _sql("A = {} AND B = {}", "format") == "A = %s AND B = %s"
+    assert _sql("A = {} AND B = {}", "pyformat") == "A = %(p1)s AND B = %(p2)s"
+    assert _sql("A = {} AND B = {}", "numeric") == "A = :1 AND B = :2"
+    assert _sql("A = {} AND B = {}", "named") == "A = :p1 AND B = :p2"
+    assert _params((5, 6), "qmark") == (5, 6) and _params((5, 6), "named") == {"p1": 5, "p2": 6}
+
+
+def test_an_unknown_paramstyle_is_refused_when_the_callbacks_are_made(tmp_path):
+    with pytest.raises(ValueError, match="unsupported DB-API paramstyle 'dollar'"):
+        Bank(lambda: sqlite3.connect(str(tmp_path / "x.db")), paramstyle="dollar", run=sync)
+
+
+@pytest.mark.parametrize("paramstyle", ["numeric", "named"])
+def test_the_other_paramstyles_apply_with_a_driver_that_speaks_them(tmp_path, paramstyle):
+    path = str(tmp_path / "bank.db")
+    make_db(path)
+    callbacks = Bank(lambda: sqlite3.connect(path), paramstyle=paramstyle, run=sync)
+    callbacks.create_table()
+    assert callbacks.get_client_high_water_mark(0).result == -1
+    assert callbacks.apply_transaction(transaction(0, 5)).result is True
+    assert callbacks.apply_transaction(transaction(0, 5)).result is False     # already applied: skipped
+    assert state(path) == (105, 0)
+
+
+def test_an_autocommit_connection_is_refused_before_anything_is_written(tmp_path):
+    # In autocommit mode the mark would commit on its own before the data: a failed apply would then
+    # be skipped on its retry, for good.
+    path = str(tmp_path / "bank.db")
+    make_db(path)
+    callbacks = Bank(lambda: sqlite3.connect(path, isolation_level=None), run=sync)
+    failure = callbacks.get_client_high_water_mark(0)
+    assert isinstance(failure.result.value, AutocommitError)
+    failure.addErrback(lambda _: None)
+    failure = callbacks.apply_transaction(transaction(0, 5))
+    assert isinstance(failure.result.value, AutocommitError)
+    failure.addErrback(lambda _: None)
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("SELECT BALANCE FROM ACCOUNTS").fetchall() == [(100,)]
+        assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'WALTZ_CLIENT_HIGH_WATER_MARK'").fetchall() == []
+    finally:
+        conn.close()
+
+
+class FakeConnection:
+    def __init__(self, **attributes):
+        self.__dict__.update(attributes)
+
+
+def test_autocommit_is_recognised_across_drivers(tmp_path):
+    assert autocommits(FakeConnection(autocommit=True))                         # psycopg 2 and 3
+    assert not autocommits(FakeConnection(autocommit=False))
+    assert autocommits(FakeConnection(get_autocommit=lambda: True))             # MySQLdb, PyMySQL
+    assert not autocommits(FakeConnection(get_autocommit=lambda: False))
+    assert not autocommits(FakeConnection())                                     # a driver that does not say
+    path = str(tmp_path / "x.db")
+    assert autocommits(sqlite3.connect(path, isolation_level=None))
+    assert not autocommits(sqlite3.connect(path))
 
 
 class Deposit(TransactionContext):

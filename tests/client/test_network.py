@@ -5,6 +5,8 @@ import itertools
 import pytest
 from twisted.internet import defer, error
 from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
 
 from tests.client.fakes import EP_A, FakeNetwork, FakeServer, FakeStore
 from waltz.client.network import (
@@ -76,7 +78,7 @@ def test_refused_connections_back_off_doubling_up_to_the_maximum(setup):
         return network.connect(endpoint, factory)
     conn._connector = refusing
     conn.start()
-    while clock.getDelayedCalls():
+    while len(times) < 7:
         clock.advance(min(call.getTime() for call in clock.getDelayedCalls()) - clock.seconds())
     network.flush()
     assert [round(b - a, 2) for a, b in zip(times, times[1:])] == [0.0, 0.1, 0.2, 0.4, 0.4, 0.4]
@@ -122,3 +124,37 @@ def test_other_checksum_errors_still_close_the_connection():
 def test_endpoint_parse_and_str():
     assert Endpoint.parse("example.org:55180") == Endpoint("example.org", 55180)
     assert str(Endpoint("h", 1)) == "h:1"
+
+
+def test_a_peer_that_accepts_and_never_says_hello_is_dropped_and_retried():
+    clock = Clock()
+    transports = []
+
+    def silent(endpoint, factory):
+        """The TCP connect succeeds, and the peer never sends its Hello."""
+        proto = factory.buildProtocol(None)
+        transport = StringTransport()
+        proto.makeConnection(transport)
+        transports.append((proto, transport))
+        return defer.succeed(proto)
+    conn = ManagedConnection(EP_A, "stream", Listener(), silent, clock, Backoff(0.1, 0.4), itertools.count(10),
+                             handshake_timeout=5.0)
+    conn.start()
+    proto, transport = transports[0]
+    clock.advance(4.9)
+    assert conn.state is ConnectionState.CONNECTING and not transport.disconnecting
+    clock.advance(0.1)
+    assert transport.disconnecting                      # dropped once the deadline passed
+    proto.connectionLost(Failure(error.ConnectionDone()))
+    assert conn.state is ConnectionState.BACKING_OFF
+    clock.advance(0)
+    assert len(transports) == 2 and conn.seq_num == 11  # and tried again
+
+
+def test_the_hello_deadline_is_cancelled_once_ready_and_on_close(setup):
+    clock, network, server, listener, conn = setup
+    conn.start()
+    network.flush()
+    assert conn.ready and not clock.getDelayedCalls()
+    conn.close()
+    assert not clock.getDelayedCalls()

@@ -3,7 +3,8 @@
 :class:`BlockingWaltzClient` is not a second client: it runs the same ``WaltzClient``
 on the reactor, in a daemon thread it starts when no reactor runs yet
 (:func:`ensure_reactor_running`), and turns each call into a blocking one. It must
-not be used from the reactor thread itself (that would deadlock; it raises instead).
+not be used from the reactor thread itself, for instance from a transaction context's
+``execute`` (that would deadlock: every call raises :class:`RuntimeError` there instead).
 
 Application callbacks written for blocking code (plain functions that may do
 blocking I/O) are run by :class:`ThreadedCallbacks` in one worker thread, in order;
@@ -17,24 +18,31 @@ import queue
 import threading
 
 import attr
-from twisted.internet import defer, threads
+from twisted.internet import defer
 from twisted.python import threadable
 from twisted.python.failure import Failure
-from twisted.python.threadpool import ThreadPool
 from zope.interface import implementer
 
 from waltz.client.api import IWaltzClientCallbacks
 from waltz.client.client import WaltzClient
+from waltz.client.workers import WorkerThread
 
 _start_lock = threading.Lock()
+
+
+def _refuse_reactor_thread(reactor):
+    """Raise when called on the running reactor's own thread: waiting there for the reactor would
+    freeze it (until the timeout, or for ever)."""
+    if reactor.running and threadable.isInIOThread():
+        raise RuntimeError("BlockingWaltzClient cannot be used on the reactor thread (from a transaction "
+                           "context, a hook or a callback running on it); use WaltzClient there")
 
 
 def ensure_reactor_running(reactor, timeout=30.0):
     """Make sure ``reactor`` runs, starting it in a daemon thread if needed; refuse the reactor thread."""
     with _start_lock:
         if reactor.running:
-            if threadable.isInIOThread():
-                raise RuntimeError("BlockingWaltzClient cannot be used on the reactor thread; use WaltzClient")
+            _refuse_reactor_thread(reactor)
             return
         started = threading.Event()
         reactor.callWhenRunning(started.set)
@@ -49,8 +57,9 @@ def call_blocking(reactor, function, *args, timeout=None, **kwargs):
     """Run ``function`` on the reactor thread and wait for its (possibly Deferred) result.
 
     Raises the function's exception, or :class:`TimeoutError` after ``timeout`` seconds
-    (the call itself goes on).
+    (the call itself goes on), or :class:`RuntimeError` on the reactor thread itself.
     """
+    _refuse_reactor_thread(reactor)
     results = queue.Queue()
 
     def run():
@@ -71,6 +80,8 @@ class BlockingTransaction:
 
     transaction = attr.ib()
     reactor = attr.ib(repr=False)
+    #: Bounds :meth:`get_data` unless it is given its own timeout (the facade's ``timeout``).
+    timeout = attr.ib(default=None, repr=False)
 
     @property
     def partition_id(self):
@@ -89,34 +100,35 @@ class BlockingTransaction:
         return self.transaction.req_id
 
     def get_data(self, serializer=None, timeout=None):
-        """The transaction's data (deserialized by ``serializer`` when given); blocks."""
-        return call_blocking(self.reactor, self.transaction.get_data, serializer, timeout=timeout)
+        """The transaction's data (deserialized by ``serializer`` when given); blocks, at most
+        ``timeout`` seconds (default: the facade's)."""
+        return call_blocking(self.reactor, self.transaction.get_data, serializer,
+                             timeout=timeout if timeout is not None else self.timeout)
 
 
 @implementer(IWaltzClientCallbacks)
 class ThreadedCallbacks:
     """Runs blocking application callbacks in one worker thread, one call at a time."""
 
-    def __init__(self, callbacks, reactor):
+    def __init__(self, callbacks, reactor, timeout=None):
         self._callbacks = callbacks
         self._reactor = reactor
-        self._pool = ThreadPool(1, 1, name="waltz-callbacks")
-        self._pool.start()
-
-    def _run(self, function, *args):
-        return threads.deferToThreadPool(self._reactor, self._pool, function, *args)
+        self._timeout = timeout
+        self._worker = WorkerThread(reactor, "waltz-callbacks")
 
     def get_client_high_water_mark(self, partition_id):
-        return self._run(self._callbacks.get_client_high_water_mark, partition_id)
+        return self._worker.run(self._callbacks.get_client_high_water_mark, partition_id)
 
     def apply_transaction(self, transaction):
-        return self._run(self._callbacks.apply_transaction, BlockingTransaction(transaction, self._reactor))
+        return self._worker.run(self._callbacks.apply_transaction,
+                                BlockingTransaction(transaction, self._reactor, self._timeout))
 
     def uncaught_exception(self, partition_id, transaction_id, exception):
-        self._run(self._callbacks.uncaught_exception, partition_id, transaction_id, exception)
+        self._worker.run(self._callbacks.uncaught_exception, partition_id, transaction_id, exception)
 
     def stop(self):
-        self._pool.stop()
+        """Stop the worker thread (from any thread, the worker included)."""
+        self._worker.stop()
 
 
 @implementer(IWaltzClientCallbacks)
@@ -150,16 +162,28 @@ class BlockingWaltzClient:
             from twisted.internet import reactor
         self._reactor = reactor
         self.timeout = timeout
+        self.client = None
+        self._closed = False
+        self._threaded = None
         ensure_reactor_running(reactor)
         if threaded_callbacks is None:
             threaded_callbacks = not getattr(callbacks, "runs_on_reactor", False)
-        self._threaded = ThreadedCallbacks(callbacks, reactor) if threaded_callbacks else None
-        self.client = self._call(WaltzClient, self._threaded or callbacks, config, reactor, **client_kwargs)
         try:
-            self._call(self.client.when_started)
+            if threaded_callbacks:
+                self._threaded = ThreadedCallbacks(callbacks, reactor, timeout)
+            self._call(self._start_client, self._threaded or callbacks, config, client_kwargs)
         except BaseException:
+            # A bad config, a start-up failure or a timeout: nothing may outlive the constructor (a
+            # client still starting on the reactor is closed by close(), which runs after it there).
             self.close()
             raise
+
+    def _start_client(self, callbacks, config, client_kwargs):
+        """On the reactor thread: create the client (unless closed meanwhile) and wait for it to start."""
+        if self._closed:
+            raise RuntimeError("the blocking Waltz client was closed while starting")
+        self.client = WaltzClient(callbacks, config, self._reactor, **client_kwargs)
+        return self.client.when_started()
 
     @classmethod
     def for_reading(cls, config, reactor=None, *, timeout=60.0):
@@ -214,15 +238,19 @@ class BlockingWaltzClient:
         return self._call(self.client.client_high_water_mark, partition_id)
 
     def close(self):
-        """Close the client (and the callbacks' worker thread)."""
-        client = getattr(self, "client", None)
+        """Close the client (and the callbacks' worker thread); may be called from any thread but the
+        reactor's, including from a callback running in the worker thread."""
         try:
-            if client is not None:
-                self._call(client.close)
+            self._call(self._close_client)
         finally:
             if self._threaded is not None:
                 self._threaded.stop()
                 self._threaded = None
+
+    def _close_client(self):
+        """On the reactor thread, after any start queued before: close the client if it exists."""
+        self._closed = True
+        return self.client.close() if self.client is not None else None
 
     def __enter__(self):
         return self

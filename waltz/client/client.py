@@ -119,6 +119,9 @@ class WaltzClient:
         self._error = failure.value
         self._set_state(ClientState.FAILED)
         self._release_start_waiters()
+        # The discovery's ZooKeeper session (retrying for ever) is of no use to a client that failed.
+        defer.maybeDeferred(self._discovery.close).addErrback(
+            lambda f: log.failure("closing the discovery of a failed client", f))
 
     def _release_start_waiters(self):
         waiters, self._start_waiters = self._start_waiters, []
@@ -199,7 +202,8 @@ class WaltzClient:
 
     def _new_connection(self, endpoint, role):
         backoff = Backoff(self.settings.reconnect_initial_interval, self.settings.reconnect_max_interval)
-        return ManagedConnection(endpoint, role, self, self._connector, self._reactor, backoff, self._seq_numbers)
+        return ManagedConnection(endpoint, role, self, self._connector, self._reactor, backoff, self._seq_numbers,
+                                 self.settings.connect_timeout)
 
     def _locate(self, partition_id):
         """Fires with the partition's location once one is known."""

@@ -18,6 +18,12 @@ runs on the same cursor, and one commit makes both durable. A crash anywhere
 before the commit leaves both unchanged: the transaction is applied again after
 restart, never twice.
 
+The connection must run statements inside transactions the helper commits: a
+connection in autocommit mode would make the mark durable before the data (a failed
+apply would then be skipped for good), so it is refused with :class:`AutocommitError`.
+For the same reason ``apply_to_database`` must not commit, nor call anything that
+commits by itself (sqlite3's ``executescript``).
+
 Database calls block, so they run in a thread of their own (one thread: the
 connection is used from it only), never on the reactor. The transaction's data is
 fetched on the reactor first and handed to ``apply_to_database``.
@@ -25,25 +31,67 @@ fetched on the reactor first and handed to ``apply_to_database``.
 
 import sqlite3
 
-from twisted.internet import defer, threads
+from twisted.internet import defer
 from twisted.logger import Logger
-from twisted.python.threadpool import ThreadPool
 
 from waltz.client.api import WaltzClientCallbacks
+from waltz.client.workers import WorkerThread
 
 log = Logger()
 
 DEFAULT_TABLE = "WALTZ_CLIENT_HIGH_WATER_MARK"
 
-_PLACEHOLDERS = {"qmark": "?", "format": "%s", "pyformat": "%s"}
+#: How the k-th (from 1) parameter of a statement is written, per DB-API ``paramstyle``.
+_PLACEHOLDERS = {"qmark": lambda k: "?", "format": lambda k: "%s", "pyformat": lambda k: "%%(p%d)s" % k,
+                 "numeric": lambda k: ":%d" % k, "named": lambda k: ":p%d" % k}
+#: Styles whose parameters are passed as a mapping (names ``p1``, ``p2``...) rather than a sequence.
+_NAMED_STYLES = ("pyformat", "named")
+
+
+def check_paramstyle(paramstyle):
+    """Raise :class:`ValueError` unless ``paramstyle`` is one of the five DB-API styles."""
+    if paramstyle not in _PLACEHOLDERS:
+        raise ValueError("unsupported DB-API paramstyle %r (use one of %s)"
+                         % (paramstyle, ", ".join(sorted(_PLACEHOLDERS))))
 
 
 def _sql(template, paramstyle):
     """``template`` with its ``{}`` placeholders written in the driver's ``paramstyle``."""
-    try:
-        return template.replace("{}", _PLACEHOLDERS[paramstyle])
-    except KeyError:
-        raise ValueError("unsupported DB-API paramstyle %r (use qmark, format or pyformat)" % paramstyle) from None
+    check_paramstyle(paramstyle)
+    parts = template.split("{}")
+    placeholder = _PLACEHOLDERS[paramstyle]
+    return parts[0] + "".join(placeholder(k) + part for k, part in enumerate(parts[1:], 1))
+
+
+def _params(values, paramstyle):
+    """``values`` as the driver takes them: a tuple, or ``{"p1": ..., "p2": ...}`` for named styles."""
+    if paramstyle in _NAMED_STYLES:
+        return {"p%d" % k: value for k, value in enumerate(values, 1)}
+    return tuple(values)
+
+
+class AutocommitError(RuntimeError):
+    """The database connection commits every statement by itself; the helper needs transactions."""
+
+
+def autocommits(connection) -> bool:
+    """True when ``connection`` is in autocommit mode, as far as the common drivers tell.
+
+    ``autocommit`` attribute set to True (psycopg 2 and 3, sqlite3 from Python 3.12), a
+    ``get_autocommit()`` answering True (MySQLdb, PyMySQL), or a sqlite3 connection whose
+    ``isolation_level`` is None under the legacy transaction control.
+    """
+    flag = getattr(connection, "autocommit", None)
+    if callable(flag):
+        flag = None          # a method (some drivers' setter), not the mode
+    if flag is True:
+        return True
+    get_autocommit = getattr(connection, "get_autocommit", None)
+    if callable(get_autocommit) and get_autocommit() is True:
+        return True
+    if isinstance(connection, sqlite3.Connection) and flag in (None, getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", -1)):
+        return connection.isolation_level is None
+    return False
 
 
 class DatabaseBehindError(RuntimeError):
@@ -68,17 +116,17 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
     def __init__(self, connect, table=DEFAULT_TABLE, paramstyle=sqlite3.paramstyle, reactor=None, run=None):
         if not table.replace("_", "").isalnum():
             raise ValueError("bad table name %r" % table)
+        check_paramstyle(paramstyle)
         self._connect = connect
         self._connection = None
         self._table = table
         self._paramstyle = paramstyle
-        self._pool = None
+        self._worker = None
         if run is None:
             if reactor is None:
                 from twisted.internet import reactor
-            self._pool = ThreadPool(1, 1, name="waltz-db")
-            self._pool.start()
-            run = lambda function, *args: threads.deferToThreadPool(reactor, self._pool, function, *args)  # noqa: E731
+            self._worker = WorkerThread(reactor, "waltz-db")
+            run = self._worker.run
         self._run = run
 
     # --- the application's part -------------------------------------------------------------------
@@ -104,24 +152,32 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
     # --- in the database thread ------------------------------------------------------------------
 
     def connection(self):
-        """The database connection (database thread only)."""
+        """The database connection (database thread only); refused when it autocommits."""
         if self._connection is None:
-            self._connection = self._connect()
+            connection = self._connect()
+            if autocommits(connection):
+                connection.close()
+                raise AutocommitError(
+                    "the database connection is in autocommit mode: the client high-water mark and the "
+                    "transaction's changes must commit together (open it with transactions on, e.g. "
+                    "sqlite3.connect(path) without isolation_level=None, psycopg with autocommit=False)")
+            self._connection = connection
         return self._connection
 
-    def _statement(self, template):
-        return _sql(template.replace("<table>", self._table), self._paramstyle)
+    def _execute(self, cursor, template, *values):
+        """Run ``template`` (``<table>`` and ``{}`` placeholders) with ``values`` in the driver's style."""
+        cursor.execute(_sql(template.replace("<table>", self._table), self._paramstyle),
+                       _params(values, self._paramstyle))
 
     def _read_high_water_mark(self, partition_id):
         conn = self.connection()
         cursor = conn.cursor()
         try:
-            cursor.execute(self._statement("SELECT HIGH_WATER_MARK FROM <table> WHERE PARTITION_ID = {}"),
-                           (partition_id,))
+            self._execute(cursor, "SELECT HIGH_WATER_MARK FROM <table> WHERE PARTITION_ID = {}", partition_id)
             row = cursor.fetchone()
             if row is None:
-                cursor.execute(self._statement(
-                    "INSERT INTO <table> (PARTITION_ID, HIGH_WATER_MARK) VALUES ({}, -1)"), (partition_id,))
+                self._execute(cursor, "INSERT INTO <table> (PARTITION_ID, HIGH_WATER_MARK) VALUES ({}, -1)",
+                              partition_id)
                 conn.commit()
                 return -1
             conn.rollback()
@@ -139,14 +195,14 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
         cursor = conn.cursor()
         pid, txn = transaction.partition_id, transaction.transaction_id
         try:
-            cursor.execute(self._statement(
-                "UPDATE <table> SET HIGH_WATER_MARK = {} WHERE PARTITION_ID = {} AND HIGH_WATER_MARK = {}"),
-                (txn, pid, txn - 1))
+            self._execute(cursor,
+                          "UPDATE <table> SET HIGH_WATER_MARK = {} WHERE PARTITION_ID = {} AND HIGH_WATER_MARK = {}",
+                          txn, pid, txn - 1)
             if cursor.rowcount == 1:
                 self.apply_to_database(transaction, data, cursor)
                 conn.commit()
                 return True
-            cursor.execute(self._statement("SELECT HIGH_WATER_MARK FROM <table> WHERE PARTITION_ID = {}"), (pid,))
+            self._execute(cursor, "SELECT HIGH_WATER_MARK FROM <table> WHERE PARTITION_ID = {}", pid)
             row = cursor.fetchone()
             conn.rollback()
             stored = row[0] if row is not None else None
@@ -186,11 +242,11 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
                 self._connection.close()
                 self._connection = None
         d = self._run(close_connection)
-        if self._pool is not None:
-            d.addBoth(self._stop_pool)
+        if self._worker is not None:
+            d.addBoth(self._stop_worker)
         return d
 
-    def _stop_pool(self, result):
-        pool, self._pool = self._pool, None
-        pool.stop()
+    def _stop_worker(self, result):
+        worker, self._worker = self._worker, None
+        worker.stop()
         return result

@@ -155,10 +155,12 @@ class ManagedConnection:
     ``listener`` gets ``connection_ready(conn)``, ``connection_lost(conn)`` and
     ``connection_message(conn, message)`` (which may return a Deferred: the
     protocol's back pressure then applies). ``seq_numbers`` is the client's
-    iterator of network-client sequence numbers.
+    iterator of network-client sequence numbers. A connection whose Hello exchange has
+    not completed ``handshake_timeout`` seconds after the TCP connect (a peer that
+    accepts and never answers) is dropped and retried.
     """
 
-    def __init__(self, endpoint, role, listener, connector, reactor, backoff, seq_numbers):
+    def __init__(self, endpoint, role, listener, connector, reactor, backoff, seq_numbers, handshake_timeout=10.0):
         self.endpoint = endpoint
         self.role = role
         self._listener = listener
@@ -171,6 +173,8 @@ class ManagedConnection:
         self.seq_num = None
         self._attempt = None
         self._retry_call = None
+        self._handshake_timeout = handshake_timeout
+        self._handshake_call = None
 
     def __repr__(self):
         return "<%s connection to %s #%s %s>" % (self.role, self.endpoint, self.seq_num, self.state.value)
@@ -211,7 +215,19 @@ class ManagedConnection:
         if protocol.closed or self.state is not ConnectionState.CONNECTING:
             return
         self.protocol = protocol
-        # Ready once the Hello exchange completes (protocol_ready), which may already have happened.
+        # Ready once the Hello exchange completes (protocol_ready), which may already have happened;
+        # it has not (the state would be READY), so it gets a deadline.
+        self._handshake_call = self._reactor.callLater(self._handshake_timeout, self._handshake_expired, protocol)
+
+    def _handshake_expired(self, protocol):
+        self._handshake_call = None
+        if self._current(protocol) and self.state is ConnectionState.CONNECTING and not protocol.closed:
+            protocol.close("no Hello from %s within %s s" % (self.endpoint, self._handshake_timeout))
+
+    def _cancel_handshake_deadline(self):
+        if self._handshake_call is not None and self._handshake_call.active():
+            self._handshake_call.cancel()
+        self._handshake_call = None
 
     def _connect_failed(self, reason, attempt):
         if attempt is not self._attempt or self.state is ConnectionState.CLOSED:
@@ -221,6 +237,7 @@ class ManagedConnection:
         self._schedule_reconnect()
 
     def _schedule_reconnect(self):
+        self._cancel_handshake_deadline()
         self.protocol = None
         self._set_state(ConnectionState.BACKING_OFF)
         self._retry_call = self._reactor.callLater(self._backoff.next_delay(), self._connect)
@@ -231,6 +248,7 @@ class ManagedConnection:
         if not self._current(protocol) or self.state is not ConnectionState.CONNECTING:
             return
         self.protocol = protocol
+        self._cancel_handshake_deadline()
         self._backoff.reset()
         self._set_state(ConnectionState.READY)
         log.info("{conn}: connected (version {version})", conn=self, version=protocol.version)
@@ -270,6 +288,7 @@ class ManagedConnection:
         if self.state is ConnectionState.CLOSED:
             return
         self._set_state(ConnectionState.CLOSED)
+        self._cancel_handshake_deadline()
         if self._retry_call is not None and self._retry_call.active():
             self._retry_call.cancel()
         if self._attempt is not None:

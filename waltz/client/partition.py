@@ -248,6 +248,10 @@ class ClientPartition:
         self._set_state(PartitionState.INACTIVE)
         self._drop_feed()
         self._gates.clear()
+        # Nothing more is applied here: whoever waits for a later transaction would wait for ever.
+        waiters, self._apply_waiters = self._apply_waiters, []
+        for _, d in waiters:
+            d.errback(PartitionInactiveError(self.partition_id))
 
     # --- where the partition lives ---------------------------------------------------------------
 
@@ -652,9 +656,12 @@ class ClientPartition:
             submission.failed(error)
 
     def when_applied(self, transaction_id):
-        """A Deferred firing once this client has applied ``transaction_id`` (at once if it has)."""
+        """A Deferred firing once this client has applied ``transaction_id`` (at once if it has); it
+        fails at once, or when the partition is deactivated, if this client does not apply it."""
         if self.state is PartitionState.CLOSED:
             return defer.fail(ClientClosedError("the Waltz client is closed"))
+        if transaction_id > self.applied_hwm and not self.wanted:
+            return defer.fail(PartitionInactiveError(self.partition_id))
         d = defer.Deferred()
         self._apply_waiters.append((transaction_id, d))
         self._release_apply_waiters()

@@ -146,7 +146,7 @@ class FeedRead:
         self._location = location
         backoff = Backoff(self._settings.reconnect_initial_interval, self._settings.reconnect_max_interval)
         self._conn = ManagedConnection(location.endpoint, "reader", self, self._connector, self._reactor,
-                                       backoff, self._seq_numbers)
+                                       backoff, self._seq_numbers, self._settings.connect_timeout)
         self._conn.start()
 
     def connection_ready(self, conn):

@@ -1,0 +1,44 @@
+"""One worker thread, for callbacks that block (database calls, an application's blocking callbacks).
+
+:class:`WorkerThread` is a one-thread Twisted ``ThreadPool`` that
+
+* runs its thread as a daemon, so a script that forgets ``close()`` still exits (what was
+  being applied then is applied again after restart: the client high-water mark only
+  moves with an applied transaction);
+* can be stopped from its own thread (a callback that closes the client): the stop then
+  happens in a helper thread instead of joining itself.
+"""
+
+import threading
+
+from twisted.internet import threads
+from twisted.python.threadpool import ThreadPool
+
+
+def _daemon_thread(*args, **kwargs):
+    return threading.Thread(*args, daemon=True, **kwargs)
+
+
+class WorkerThread:
+    """A started one-thread pool called ``name``; :meth:`run` returns Deferreds fired on the reactor."""
+
+    def __init__(self, reactor, name):
+        self._reactor = reactor
+        self._pool = ThreadPool(1, 1, name=name)
+        self._pool.threadFactory = _daemon_thread
+        self._pool.start()
+
+    def run(self, function, *args):
+        """Run ``function(*args)`` in the worker thread; a Deferred of its result."""
+        return threads.deferToThreadPool(self._reactor, self._pool, function, *args)
+
+    def in_worker(self) -> bool:
+        """True when called from the worker thread itself."""
+        return threading.current_thread() in self._pool.threads
+
+    def stop(self):
+        """Stop the thread once its current call returns; blocks until then unless called from it."""
+        if self.in_worker():
+            threading.Thread(target=self._pool.stop, name="%s-stop" % self._pool.name, daemon=True).start()
+        else:
+            self._pool.stop()
