@@ -7,6 +7,7 @@ import random
 import pytest
 import pytest_twisted
 from kazoo.client import KazooClient
+from kazoo.exceptions import ConnectionLoss
 from twisted.internet import defer, reactor, task
 
 from tests.conftest import TEST_PARTITIONS, zk_client_for
@@ -34,12 +35,13 @@ class Servers:
         self.started = []   # (membership, client)
         self.reports = {}   # membership -> list of {partition: generation}
 
-    async def start(self, port, preferred=(), seed=0):
+    async def start(self, port, preferred=(), seed=0, on_assignment=None):
         client = zk_client_for(self.zookeeper)
         await client.connect()
         reports = []
-        membership = ServerMembership(ClusterMetadata(client, self.root), "127.0.0.1", port, reports.append,
-                                      preferred, reactor=reactor, rng=random.Random(seed), retry_interval=0.05)
+        membership = ServerMembership(ClusterMetadata(client, self.root), "127.0.0.1", port,
+                                      on_assignment or reports.append, preferred, reactor=reactor,
+                                      rng=random.Random(seed), retry_interval=0.05)
         self.started.append((membership, client))
         self.reports[membership] = reports
         await membership.start()
@@ -217,6 +219,130 @@ async def test_stop_unregisters_so_the_others_take_over_at_once(servers, cluster
     await a.stop()
     assert a.state is MembershipState.STOPPED
     await settled(cluster_metadata, [b], "b to take everything after a stopped cleanly")
+
+
+# --- the registration repairs itself; ZooKeeper calls of unknown outcome -------------------------------
+
+
+async def descriptors_of(cluster_metadata, server_id):
+    """The ``(znode name, ServerDescriptor)`` pairs of ``server_id`` now in ZooKeeper."""
+    return [(name, d) for name, d in await cluster_metadata.server_descriptors() if d.server_id == server_id]
+
+
+async def until_registered_once(cluster_metadata, membership, what):
+    """Wait until ZooKeeper holds exactly one descriptor of ``membership``: its znode, its content."""
+    deadline = reactor.seconds() + 10
+    while True:
+        found = await descriptors_of(cluster_metadata, membership.server_id)
+        if [(membership.cluster.paths.server_descriptors + "/" + name, d) for name, d in found] == \
+                [(membership.znode, membership.descriptor)]:
+            return found[0][1]
+        if reactor.seconds() > deadline:
+            raise AssertionError("timed out waiting for %s: ZooKeeper has %r, the server thinks %r %r"
+                                 % (what, found, membership.znode, membership.descriptor))
+        await task.deferLater(reactor, 0.05, lambda: None)
+
+
+def lose_next_commit_reply(membership, applied):
+    """The next multi-op of ``membership`` fails with ConnectionLoss, after it was applied or not."""
+    zk = membership.cluster.zk
+    real = zk.transaction
+
+    def transaction():
+        del zk.transaction          # once
+        txn = real()
+        if applied:
+            commit = txn.commit
+            txn.commit = lambda: commit().addCallback(lambda _: defer.fail(ConnectionLoss()))
+        else:
+            txn.commit = lambda: defer.fail(ConnectionLoss())
+        return txn
+    zk.transaction = transaction
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_descriptor_created_without_hearing_of_it_is_removed(servers, cluster_metadata):
+    # A create whose reply was lost: the znode exists in the session, the server does not know it.
+    a = await servers.start(5001)
+    await settled(cluster_metadata, [a], "a alone")
+    await ClusterMetadata(servers.client(a), cluster_metadata.paths.root).register_server(a.descriptor)
+    assert len(await descriptors_of(cluster_metadata, a.server_id)) == 2
+    await until_registered_once(cluster_metadata, a, "the orphan descriptor to go")
+    await settled(cluster_metadata, [a], "a alone again")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failed_preferred_partitions_change_changes_nothing_and_can_be_retried(servers, cluster_metadata):
+    a = await servers.start(5001)
+    await settled(cluster_metadata, [a], "a alone")
+    lose_next_commit_reply(a, applied=False)
+    with pytest.raises(ConnectionLoss):
+        await a.add_preferred_partitions([1])
+    assert a.preferred_partitions == ()
+    assert await a.add_preferred_partitions([1]) is True
+    assert (await until_registered_once(cluster_metadata, a, "the retried change")).preferred_partitions == (1,)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_preferred_partitions_change_whose_reply_was_lost_is_undone(servers, cluster_metadata):
+    a = await servers.start(5001)
+    await settled(cluster_metadata, [a], "a alone")
+    lose_next_commit_reply(a, applied=True)     # ZooKeeper made the change; the server did not hear of it
+    with pytest.raises(ConnectionLoss):
+        await a.add_preferred_partitions([1])
+    assert a.preferred_partitions == ()
+    registered = await until_registered_once(cluster_metadata, a, "the registration to match the server again")
+    assert registered.preferred_partitions == ()
+    assert await a.add_preferred_partitions([2]) is True       # and later changes work
+    assert (await until_registered_once(cluster_metadata, a, "the next change")).preferred_partitions == (2,)
+
+
+@pytest_twisted.ensureDeferred
+async def test_stop_during_start_leaves_no_descriptor_and_no_partitions(zookeeper, cluster_root, cluster_metadata):
+    client = zk_client_for(zookeeper)
+    await client.connect()
+    try:
+        reports = []
+        membership = ServerMembership(ClusterMetadata(client, cluster_root), "127.0.0.1", 5001, reports.append,
+                                      reactor=reactor, retry_interval=0.05)
+        started = membership.start()
+        await membership.stop()            # SIGTERM while starting
+        await started
+        await task.deferLater(reactor, 0.5, lambda: None)
+        assert membership.state is MembershipState.STOPPED and membership.znode is None
+        assert await cluster_metadata.server_descriptors() == () and reports == []
+    finally:
+        await client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_assignment_the_server_failed_to_apply_is_applied_again(servers, cluster_metadata):
+    a = await servers.start(5001)
+    await settled(cluster_metadata, [a], "a alone")
+    applied = []
+
+    def on_assignment(partitions):
+        if not applied:
+            applied.append("failed")
+            raise RuntimeError("opening a partition failed")
+        applied.append(partitions)
+    b = await servers.start(5002, seed=1, on_assignment=on_assignment)
+    await until(lambda: len(applied) > 1, "the assignment to be applied again", timeout=10)
+    await settled(cluster_metadata, [a, b], "the split")
+    assert applied[-1] == b.partitions and len(b.partitions) == TEST_PARTITIONS // 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_child_that_is_not_a_descriptor_does_not_stop_reconciling(servers, cluster_metadata, zookeeper):
+    a = await servers.start(5001)
+    await settled(cluster_metadata, [a], "a alone")
+    stray = cluster_metadata.paths.server_descriptors + "/stray"
+    await servers.client(a).create(stray, b"not a descriptor")
+    try:
+        b = await servers.start(5002, seed=1)
+        await settled(cluster_metadata, [a, b], "the split with a stray znode among the descriptors")
+    finally:
+        await servers.client(a).delete(stray)
 
 
 # --- what the server does with its assignment (waltz/server/service.py) ------------------------------

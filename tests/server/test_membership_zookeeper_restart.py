@@ -36,22 +36,41 @@ async def until(condition, what, timeout=30.0):
 
 class CuttableProxy:
     """A TCP forwarder to ZooKeeper on a port of its own; :meth:`cut` drops its connections and refuses
-    new ones until :meth:`mend`."""
+    new ones until :meth:`mend`; :meth:`silence` keeps them open and drops every byte both ways (a
+    network that loses packets: no reset, the client notices only when a heartbeat goes unanswered)."""
 
     def __init__(self, zookeeper):
         self.zookeeper = zookeeper
         self.port = None
         self.number = 0
         self.connections = []
+        self.silent = False
+
+    def silence(self):
+        self.silent = True
 
     def _factory(self):
         proxy = self
         host, port = self.zookeeper.connect_string.split(":")
 
+        class Client(portforward.ProxyClient):
+            def dataReceived(self, data):
+                if not proxy.silent:
+                    super().dataReceived(data)
+
+        class ClientFactory(portforward.ProxyClientFactory):
+            protocol = Client
+
         class Server(portforward.ProxyServer):
+            clientProtocolFactory = ClientFactory
+
             def connectionMade(self):
                 proxy.connections.append(self)
                 super().connectionMade()
+
+            def dataReceived(self, data):
+                if not proxy.silent:
+                    super().dataReceived(data)
 
         factory = portforward.ProxyFactory(host, int(port))
         factory.protocol = Server
@@ -255,5 +274,39 @@ async def test_a_server_that_cannot_reconnect_after_the_restart_gives_up_before_
         await until(lambda: a.state is MembershipState.MEMBER and a.znode is not None and a.partitions,
                     "a to register again and get partitions", timeout=30)
         await cluster.settled([a, b], "the split after a came back")
+    finally:
+        await proxy.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_server_cut_off_silently_gives_up_before_the_other_takes_over(cluster):
+    # No reset: kazoo notices only when a heartbeat goes unanswered, up to 2/3 of the session timeout
+    # after the last reply. The server must still give its partitions up before ZooKeeper expires the
+    # session and the coordinator moves them.
+    proxy = CuttableProxy(cluster.zookeeper)
+    proxy.listen()
+    try:
+        a = await cluster.start(5001, connect_string=proxy.connect_string)
+        b = await cluster.start(5002, seed=1)
+        await cluster.settled([a, b], "the split")
+        a_had = dict(a.partitions)
+        violations = []
+
+        def check():
+            twice = cluster.held_twice()
+            if twice:
+                violations.append((reactor.seconds(), sorted(twice)))
+        checker = task.LoopingCall(check)
+        checker.start(0.01)
+        proxy.silence()
+        try:
+            await until(lambda: sorted(b.partitions) == list(range(TEST_PARTITIONS)),
+                        "b to take every partition", timeout=SESSION_MS / 1000.0 + 20)
+            await sleep(0.2)
+        finally:
+            checker.stop()
+        assert a.partitions == {} and cluster.reports[a][-1] == {}
+        assert not violations, "partitions open on both servers: %r" % violations[:3]
+        assert all(b.partitions[pid] == generation + 1 for pid, generation in a_had.items())
     finally:
         await proxy.close()

@@ -18,7 +18,11 @@ server side):
   The write changes the znode's data, so every server reconciles again and
   adopts it;
 * after the ZooKeeper session *expired* (its descriptor is gone) it registers
-  again, with the same server id, as soon as a new session is connected.
+  again, with the same server id, as soon as a new session is connected;
+* at every pass it checks its own registration: exactly one descriptor of this
+  server in the current session, with the current content. A create whose reply
+  was lost (the znode was made, the client did not hear of it) or a preferred-
+  partitions change of unknown outcome is repaired there, in one multi-op.
 
 **The session and the partitions.** The partitions this server holds are only
 its own while its descriptor is registered: once the session is gone the
@@ -26,11 +30,16 @@ coordinator hands them to the other servers at new generations. So
 
 * when the session *expires* the server gives up every partition at once
   (``on_assignment({})``), before it registers again;
-* when the connection is lost for longer than the session timeout the session
-  has expired as far as ZooKeeper is concerned (a restarted ZooKeeper counts
-  the timeout from its restart, which is later still), so the server gives up
-  its partitions then too, without waiting to hear it (the reconnect may hang
-  for a long time, for instance against a ZooKeeper that is still starting);
+* when the connection is lost it may be the session's end: ZooKeeper expires a
+  session T (the session timeout) after it last heard from it, and kazoo notices
+  a silent loss (no reset: packets dropped) only when a heartbeat goes
+  unanswered, up to 2/3 T after the last reply. So the server gives up its
+  partitions T/4 after the loss is noticed (``disconnect_timeout``), at most
+  about 0.92 T after the last reply: before ZooKeeper can expire the session and
+  the coordinator move them, without waiting to hear of the expiry (the
+  reconnect may hang for a long time). A connection back within that time
+  changes nothing; one back later gets the partitions again from the assignment
+  (the same generations, if the session survived);
 * after every reconnect it reconciles again: kazoo does not re-register watches
   on a new connection (no ``SetWatches``), and changes made while it was away are
   otherwise seen only if its watch recipes notice them. A pass that fails is
@@ -75,8 +84,9 @@ class ServerMembership:
     partitions because its session expired (or may have: see the module doc).
     ``rng`` shuffles the assignment lists (tests inject one); ``retry_interval``
     (seconds) spaces retries after ZooKeeper errors; ``disconnect_timeout``
-    (seconds, default: the ZooKeeper client's session timeout) is how long the
-    connection may stay lost before the server gives up its partitions.
+    (seconds, default: a quarter of the ZooKeeper client's session timeout, see the
+    module doc) is how long after the connection is found lost the server gives up
+    its partitions.
     """
 
     log = Logger()
@@ -94,7 +104,7 @@ class ServerMembership:
         self.rng = rng or random_module.Random()
         self.retry_interval = retry_interval
         if disconnect_timeout is None:
-            disconnect_timeout = getattr(cluster.zk, "session_timeout_ms", 30000) / 1000.0
+            disconnect_timeout = getattr(cluster.zk, "session_timeout_ms", 30000) / 1000.0 / 4
         self.disconnect_timeout = disconnect_timeout
         self.state = MembershipState.NEW
         self.server_id = None
@@ -112,6 +122,10 @@ class ServerMembership:
         self._reconcile_again = False
         self._retry_call = None
         self._disconnected_call = None  # gives the partitions up if the connection stays lost
+        # Registration changes (re-registering, preferred partitions) one at a time; the count tells a
+        # reconcile pass whether one happened while it read the descriptors.
+        self._registration_lock = defer.DeferredLock()
+        self._registrations = 0
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -135,26 +149,45 @@ class ServerMembership:
 
     # --- start and stop -------------------------------------------------------------------------
 
+    @property
+    def stopped(self) -> bool:
+        return self.state is MembershipState.STOPPED
+
     @defer.inlineCallbacks
     def start(self):
-        """Allocate the id, register, and watch; fires once the watches are set."""
+        """Allocate the id, register, and watch; fires once the watches are set (or at once, doing
+        nothing more, when :meth:`stop` was called meanwhile)."""
         self._enter(MembershipState.JOINING)
         params = yield self.cluster.cluster_params()
         self.num_partitions = params.num_partitions
         self._check_partitions(self.preferred_partitions)
         self.server_id = yield self.cluster.allocate_server_id()
+        if self.stopped:
+            return self
         self.cluster.zk.add_state_listener(self._session_changed)
         self._listening = True
         yield self._register()
+        if self.stopped:
+            return self
         self._enter(MembershipState.MEMBER)
         path = self.cluster.paths.server_descriptors
-        self._watches.append((yield self.cluster.zk.watch_children(path, self._membership_changed)))
-        self._watches.append((yield self.cluster.zk.watch_data(path, self._assignment_changed)))
+        for watch in (self.cluster.zk.watch_children(path, self._membership_changed),
+                      self.cluster.zk.watch_data(path, self._assignment_changed)):
+            handle = yield watch
+            if self.stopped:
+                handle.cancel()
+            else:
+                self._watches.append(handle)
         return self
 
     @defer.inlineCallbacks
     def _register(self):
-        self.znode = yield self.cluster.register_server(self.descriptor)
+        znode = yield self.cluster.register_server(self.descriptor)
+        if self.stopped:   # stop() ran meanwhile and could not delete it: do it now
+            yield self._delete_descriptor(znode)
+            return
+        self.znode = znode
+        self._registrations += 1
         self.log.info("server {id} registered as {znode} ({host}:{port}, preferred partitions {preferred})",
                       id=self.server_id, znode=self.znode, host=self.host, port=self.port,
                       preferred=list(self.preferred_partitions))
@@ -175,6 +208,10 @@ class ServerMembership:
             self._listening = False
             self.cluster.zk.remove_state_listener(self._session_changed)
         znode, self.znode = self.znode, None
+        yield self._delete_descriptor(znode)
+
+    @defer.inlineCallbacks
+    def _delete_descriptor(self, znode):
         if znode is not None and self.cluster.zk.connected:
             try:
                 yield self.cluster.zk.delete(znode).addErrback(swallow, NoNodeError)
@@ -224,6 +261,8 @@ class ServerMembership:
         self.on_assignment({})
 
     def _rejoin(self):
+        if self.state is not MembershipState.REJOINING:
+            return  # a retry timer that fired after another rejoin completed, or after stop()
         if self._rejoining:
             return  # a registration is on its way; _rejoined checks it landed in this session
         self._rejoining = True
@@ -294,17 +333,62 @@ class ServerMembership:
     def _reconcile(self):
         # The assignment first: its stat's cversion is then never newer than the descriptors read
         # after it, so a membership change in between is seen again at the next watch event.
+        registrations, session = self._registrations, self.cluster.zk.session_id
         versioned = yield self.cluster.partition_assignment()
         current, stat = versioned.value, versioned.stat
-        descriptors = yield self.cluster.server_descriptors()
+        descriptors = yield self.cluster.versioned_server_descriptors()
+        if self.state is not MembershipState.MEMBER:
+            return      # stopped, or the session expired, while reading: act on nothing read
         self.members = {}
         for _, descriptor in descriptors:
-            self.members.setdefault(descriptor.server_id, descriptor)
+            self.members.setdefault(descriptor.value.server_id, descriptor.value)
+        if registrations == self._registrations and session == self.cluster.zk.session_id:
+            repaired = yield self._check_registration(descriptors, session, registrations)
+            if repaired:
+                self._reconcile_again = True   # the descriptors changed: read them again
+                return
         if current.cversion == stat.cversion:
             self._adopt(current)
         elif self.is_coordinator:
             yield self._rewrite(current, stat)
         self.reconciles += 1
+
+    def _check_registration(self, descriptors, session, registrations):
+        """Repair this server's registration unless exactly one descriptor of it exists in ``session``,
+        :attr:`znode`, with the current content; ``descriptors`` were read after ``registrations``
+        registrations. Fires with True when it re-registered."""
+        prefix = self.cluster.paths.server_descriptors + "/"
+        own = [(prefix + name, versioned.value) for name, versioned in descriptors
+               if versioned.value.server_id == self.server_id and versioned.stat.ephemeralOwner == session]
+        if own == [(self.znode, self.descriptor)]:
+            return defer.succeed(False)
+
+        def repair():
+            if registrations != self._registrations or self.state is not MembershipState.MEMBER:
+                return False   # a change made while waiting for the lock: what was read is stale
+            self.log.warn("server {id}: registration {found} is not the expected {znode} ({descriptor}); "
+                          "registering again", id=self.server_id, found=[path for path, _ in own],
+                          znode=self.znode, descriptor=self.descriptor)
+            return self._replace_descriptors([path for path, _ in own]).addCallback(lambda _: True)
+        return self._registration_lock.run(repair)
+
+    @defer.inlineCallbacks
+    def _replace_descriptors(self, paths):
+        """One multi-op: delete ``paths`` (this server's descriptors) and create one with the current
+        content; :attr:`znode` names the new one. Call it holding the registration lock."""
+        txn = self.cluster.zk.transaction()
+        for path in paths:
+            txn.delete(path)
+        txn.create(self.cluster.paths.server_descriptor_prefix, self.descriptor.encode(), ephemeral=True,
+                   sequence=True)
+        results = yield txn.commit()
+        if self.stopped:
+            yield self._delete_descriptor(results[-1])
+            return
+        self.znode = results[-1]
+        self._registrations += 1
+        self.log.info("server {id} registered as {znode} with preferred partitions {preferred}",
+                      id=self.server_id, znode=self.znode, preferred=list(self.preferred_partitions))
 
     @defer.inlineCallbacks
     def _rewrite(self, current, stat):
@@ -320,10 +404,11 @@ class ServerMembership:
         mine = partitions_of(assignment, self.server_id)
         if mine == self.partitions:
             return
-        self.partitions = mine
         self.log.info("server {id} is assigned partitions {partitions}", id=self.server_id,
                       partitions=sorted(mine.items()))
         self.on_assignment(dict(mine))
+        # Only once applied: if on_assignment raised, the retried pass sees a change and applies it again.
+        self.partitions = mine
 
     # --- preferred partitions -----------------------------------------------------------------------
 
@@ -340,26 +425,33 @@ class ServerMembership:
         """Stop preferring these partitions; fires with ``True`` once the descriptor says so."""
         return self.set_preferred_partitions(set(self.preferred_partitions) - set(partition_ids))
 
-    @defer.inlineCallbacks
     def set_preferred_partitions(self, partition_ids):
         """Replace the preferred partitions and re-register the descriptor (one multi-op: the old
-        znode goes, a new one comes), so the coordinator recomputes the assignment.
+        znode goes, a new one comes), so the coordinator recomputes the assignment. Changes run one
+        at a time.
 
-        Fails with :class:`InvalidPartitions` for ids outside the cluster's partitions.
+        Fails with :class:`InvalidPartitions` for ids outside the cluster's partitions, or with the
+        ZooKeeper error when the change could not be made: the preferred partitions are then
+        unchanged (a change whose reply was lost is undone by the next reconcile pass), and the
+        caller may try again.
         """
-        self._check_partitions(partition_ids)
-        preferred = tuple(sorted(set(partition_ids)))
+        try:
+            self._check_partitions(partition_ids)
+        except InvalidPartitions:
+            return defer.fail()
+        return self._registration_lock.run(self._set_preferred, tuple(sorted(set(partition_ids))))
+
+    @defer.inlineCallbacks
+    def _set_preferred(self, preferred):
         if preferred == self.preferred_partitions:
             return True
-        self.preferred_partitions = preferred
+        previous, self.preferred_partitions = self.preferred_partitions, preferred
         if self.state is not MembershipState.MEMBER or self.znode is None:
             return True  # registering (again) will use the new descriptor
-        txn = self.cluster.zk.transaction()
-        txn.delete(self.znode)
-        txn.create(self.cluster.paths.server_descriptor_prefix, self.descriptor.encode(), ephemeral=True,
-                   sequence=True)
-        results = yield txn.commit()
-        self.znode = results[1]
-        self.log.info("server {id} re-registered as {znode} with preferred partitions {preferred}",
-                      id=self.server_id, znode=self.znode, preferred=list(preferred))
+        try:
+            yield self._replace_descriptors([self.znode])
+        except Exception:
+            self.preferred_partitions = previous
+            self.request_reconcile()   # whatever happened in ZooKeeper, the next pass makes it match
+            raise
         return True

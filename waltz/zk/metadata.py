@@ -27,9 +27,10 @@ import uuid
 import attr
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, NotEmptyError
 from twisted.internet import defer, task
+from twisted.logger import Logger
 
 from waltz.zk.errors import (ClusterExistsError, ClusterNotFoundError, ConcurrentUpdateError,
-                             GenerationMismatchError, ServersRegisteredError, swallow)
+                             GenerationMismatchError, ServersRegisteredError, ZnodeDecodeError, swallow)
 from waltz.zk.lock import ZnodeMutex
 from waltz.zk.topology import StoreTopology
 from waltz.zk.znodes import (EMPTY_PARTITION_METADATA, ClusterParams, ClusterPaths, ConnectionMetadata,
@@ -83,6 +84,8 @@ class ClusterMetadata:
     ``reactor`` (for back-off timers and lock timeouts) and ``rng`` (a
     ``random.Random``) are injectable.
     """
+
+    log = Logger()
 
     def __init__(self, zk, root, reactor=None, rng=None, retry=RetryPolicy()):
         if reactor is None:
@@ -154,10 +157,18 @@ class ClusterMetadata:
         ], consumeErrors=True).addErrback(_unwrap_first_error)
         return Versioned(StoreTopology(*(r.value for r in reads)), tuple(r.stat for r in reads))
 
-    @defer.inlineCallbacks
     def server_descriptors(self, watch=None):
         """Fires with ``((znode name, ServerDescriptor), ...)`` of the live servers, by name;
         ``watch`` is set on the children of ``serverDescriptors``."""
+        d = self.versioned_server_descriptors(watch)
+        return d.addCallback(lambda found: tuple((name, versioned.value) for name, versioned in found))
+
+    @defer.inlineCallbacks
+    def versioned_server_descriptors(self, watch=None):
+        """Fires with ``((znode name, Versioned ServerDescriptor), ...)`` of the live servers, by name
+        (the stat's ``ephemeralOwner`` is the session that registered it). A child that does not decode
+        (a stray znode, a descriptor of a later release) is skipped with a warning: one bad znode must
+        not stop every server from reading the others."""
         names = yield self.zk.get_children(self.paths.server_descriptors, watch=watch).addErrback(
             self._missing, self.paths.server_descriptors)
         found = []
@@ -167,7 +178,10 @@ class ClusterMetadata:
                 versioned = yield self.read_versioned(path, ServerDescriptor)
             except NoNodeError:
                 continue  # that server's session ended since we listed the children
-            found.append((name, versioned.value))
+            except ZnodeDecodeError as exc:
+                self.log.warn("ignoring {path}: {error}", path=path, error=exc)
+                continue
+            found.append((name, versioned))
         return tuple(found)
 
     @defer.inlineCallbacks
