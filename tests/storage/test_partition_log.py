@@ -9,6 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from waltz.storage import fileio as fileio_module
+from waltz.storage import partition_log as partition_log_module
 from waltz.storage import segment as segment_module
 from waltz.storage.errors import RecordChecksumMismatch, StorageClosed, SyncFailed, TransactionIdOutOfSequence
 from waltz.storage.partition_log import PartitionLog
@@ -130,6 +132,54 @@ def test_a_failed_fdatasync_makes_the_log_refuse_everything_after_it(tmp_path, m
         with pytest.raises(SyncFailed, match="restart the storage node"):
             attempt()
     log.close()
+
+
+def test_a_failed_directory_fsync_makes_the_log_refuse_everything_after_it(tmp_path, monkeypatch):
+    # Whether the deleted segments' directory entries are gone is unknown after it: as final as a data sync.
+    log = open_log(tmp_path, segment_size_threshold=SMALL)
+    log.append(small_records(0, 12))
+    log.sync()
+    assert len(log.segment_ids) > 2
+    real_fsync = fileio_module.os.fsync
+
+    def failing_fsync(fd):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(fileio_module.os, "fsync", failing_fsync)
+    with pytest.raises(SyncFailed, match="Input/output error"):
+        log.truncate(1)
+    monkeypatch.setattr(fileio_module.os, "fsync", real_fsync)
+    for attempt in (lambda: log.truncate(1), log.check_usable, lambda: log.read_records(0, 1)):
+        with pytest.raises(SyncFailed, match="restart the storage node"):
+            attempt()
+    log.close()
+
+
+def test_truncate_makes_the_deleted_segments_durable_before_cutting_the_kept_one(tmp_path, monkeypatch):
+    # Otherwise a crash after the cut could bring the deleted segments back, past a gap in the ids.
+    log = open_log(tmp_path, segment_size_threshold=SMALL)
+    log.append(small_records(0, 12))
+    log.sync()
+    events = []
+    real_fsync_directory, real_truncate = partition_log_module.fsync_directory, segment_module.Segment.truncate
+    monkeypatch.setattr(partition_log_module, "fsync_directory",
+                        lambda path: (events.append("directory fsync"), real_fsync_directory(path)))
+    monkeypatch.setattr(segment_module.Segment, "truncate",
+                        lambda segment, txn: (events.append("cut"), real_truncate(segment, txn)))
+    log.truncate(1)
+    assert events == ["directory fsync", "cut"] and log.max_transaction_id == 1
+    log.close()
+
+
+def test_a_new_partition_directory_is_made_durable_in_its_parent(tmp_path, monkeypatch):
+    synced = []
+    real = fileio_module.fsync_directory
+    monkeypatch.setattr(fileio_module, "fsync_directory", lambda path: (synced.append(path), real(path)))
+    log = PartitionLog.open(str(tmp_path / "storage"), KEY, PARTITION)
+    assert str(tmp_path) in synced and str(tmp_path / "storage") in synced
+    log.close()
+    synced.clear()
+    PartitionLog.open(str(tmp_path / "storage"), KEY, PARTITION).close()
+    assert synced == []                  # nothing created: nothing to sync
 
 
 @pytest.mark.parametrize("failing_write", [

@@ -233,3 +233,25 @@ async def test_a_failed_fdatasync_fails_the_partition_for_good_and_says_so(harne
     problem = harness.node.partitions[0].problem
     assert "restart the storage node" in problem and "Input/output error" in problem
     assert harness.node.assigned_status() == ((0, False), (1, True))
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_sync_failing_inside_an_append_stops_the_partition_reporting_its_end(harness, monkeypatch):
+    # The sync that fails is the one before a segment roll, inside the append: the records written
+    # before it may not be on disk, so the partition must not report them (recovery takes the max
+    # transaction id as a vote about durable data), and it must say it failed.
+    await assign(harness, 0)
+    s = await harness.connect()
+    await s.request(sm.AppendRequest(1, 0, 0, records(0, 20), False))
+
+    def failing_datasync(fd):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(segment_module, "datasync", failing_datasync)
+    with pytest.raises(RemoteError, match="Input/output error"):
+        await s.request(sm.AppendRequest(1, 0, 0, records(20, 30), False))    # rolls a segment on the way
+    monkeypatch.undo()
+    with pytest.raises(RemoteError, match="restart the storage node"):
+        await s.request(sm.MaxTransactionIdRequest(1, 0, 0, False))
+    problem = harness.node.partitions[0].problem
+    assert problem is not None and "restart the storage node" in problem and "Input/output error" in problem
+    assert harness.node.assigned_status() == ((0, False),)

@@ -39,7 +39,8 @@ from waltz.storage.errors import (
     ControlFileError, ControlFileMismatch, PartitionInfoCorrupted, StorageClosed,
     StorageDirectoryInUse, StorageError, UnknownPartition,
 )
-from waltz.storage.fileio import datasync, file_size, fsync_directory, pread_upto, pwrite_all
+from waltz.storage.fileio import (
+    datasync, file_size, fsync_directory, make_directory_durably, pread_upto, pwrite_all)
 
 CONTROL_FILE_NAME = "waltz-storage.ctl"
 FORMAT_VERSION = 0
@@ -206,7 +207,7 @@ class ControlFile:
         """
         if num_partitions < 0:
             raise ControlFileError("the number of partitions must not be negative, got %d" % num_partitions)
-        os.makedirs(directory, exist_ok=True)
+        make_directory_durably(directory)
         path = control_file_path(directory)
         header = ControlFileHeader(FORMAT_VERSION, int(clock() * 1000), key, num_partitions)
         content = header.encode() + b"".join(_format_partition(p) for p in range(num_partitions))

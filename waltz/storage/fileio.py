@@ -6,6 +6,8 @@ read never moves a shared file position and a partial write is retried.
 
 import os
 
+from waltz.storage.errors import SyncFailed
+
 #: ``fdatasync`` where the platform has it (Linux); ``fsync`` elsewhere.
 datasync = getattr(os, "fdatasync", os.fsync)
 
@@ -33,12 +35,26 @@ def pread_upto(fd: int, size: int, offset: int) -> bytes:
 
 
 def fsync_directory(path: str) -> None:
-    """Make a directory's entries (created, renamed or deleted files) durable."""
+    """Make a directory's entries (created, renamed or deleted files) durable; a failed fsync raises
+    :class:`SyncFailed` (whether those entries are on disk is then unknown, as for data)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
+    except OSError as exc:
+        raise SyncFailed("fsync of directory %s failed: %s" % (path, exc)) from exc
     finally:
         os.close(fd)
+
+
+def make_directory_durably(path: str) -> None:
+    """Create ``path`` (and missing parents) if it does not exist, and make its entry durable in its
+    parent: a directory created and then lost in a crash would take every file in it along."""
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    make_directory_durably(parent)
+    os.makedirs(path, exist_ok=True)
+    fsync_directory(parent)
 
 
 def file_size(fd: int) -> int:

@@ -110,6 +110,8 @@ class StoragePartition:
             return "failed to open: %s" % self.failure
         if self.worker is not None and self.worker.failure is not None:
             return "failed: its disk worker stopped after %s; restart the storage node" % self.worker.failure
+        if self.log is not None and self.log.sync_failure is not None:
+            return "failed: %s; restart the storage node" % self.log.sync_failure
         return None
 
     # -- the request path --------------------------------------------------------------
@@ -148,6 +150,9 @@ class StoragePartition:
                            info.local_low_water_mark)
 
     def _max_transaction_id(self, message):
+        # Not after a failed sync: the end of the log may never have reached the disk, and recovery
+        # takes this answer as a vote about durable data.
+        self.log.check_usable()
         return self._reply(message, sm.MaxTransactionIdResponse, self.log.max_transaction_id)
 
     def _set_low_water_mark(self, message):

@@ -25,7 +25,7 @@ import uuid
 from waltz.storage.errors import (
     RecordChecksumMismatch, SegmentError, StorageClosed, StorageError, SyncFailed, TransactionIdOutOfSequence,
 )
-from waltz.storage.fileio import fsync_directory
+from waltz.storage.fileio import fsync_directory, make_directory_durably
 from waltz.storage.segment import (
     Segment, encode_record, list_segments, remove_segment_files, remove_stray_files,
 )
@@ -86,7 +86,7 @@ class PartitionLog:
         (``self.recovery`` reports what happened).
         """
         log = cls(storage_dir, key, partition_id, segment_size_threshold, segment_cache_capacity, clock)
-        os.makedirs(log.directory, exist_ok=True)
+        make_directory_durably(log.directory)
         remove_stray_files(log.directory)
         log._segment_ids = list_segments(log.directory)
         if log._segment_ids:
@@ -114,6 +114,16 @@ class PartitionLog:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def sync_failure(self):
+        """The :class:`SyncFailed` that made the log unusable, or None."""
+        return self._sync_failure
+
+    def check_usable(self) -> None:
+        """Raise unless the log is open and no sync failed: what it holds beyond the last successful
+        sync may not be on disk, so not even its end may be reported."""
+        self._check_open()
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -207,12 +217,17 @@ class PartitionLog:
         self._check_open()
         if transaction_id >= self.max_transaction_id:
             return
+        deleted = False
         while self._segment_ids and self._segment_ids[-1] > transaction_id:
             self._delete_newest_segment()
+            deleted = True
+        if deleted:
+            # Durable before the cut: a crash after the cut must not bring deleted segments back past
+            # a gap in the transaction ids.
+            fsync_directory(self.directory)
         if self._segment_ids:
             self._active = self._reopen_for_writing(self._segment_ids[-1])
             self._active.truncate(transaction_id)
-        fsync_directory(self.directory)
 
     def _delete_newest_segment(self) -> None:
         first = self._segment_ids.pop()
