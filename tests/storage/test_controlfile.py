@@ -11,7 +11,8 @@ from waltz.storage.controlfile import (
     CONTROL_FILE_NAME, HEADER_SIZE, PARTITION_INFO_SIZE, STRUCT_SIZE, ControlFile, PartitionFlags, PartitionInfo,
 )
 from waltz.storage.errors import (
-    ControlFileError, ControlFileMismatch, PartitionInfoCorrupted, StorageDirectoryInUse, UnknownPartition,
+    ControlFileError, ControlFileMismatch, PartitionInfoCorrupted, StorageDirectoryInUse, SyncFailed,
+    UnknownPartition,
 )
 
 KEY = uuid.UUID("12345678-1234-5678-1234-567812345678")
@@ -109,6 +110,31 @@ def test_both_structs_corrupted_fails_only_that_partition(control, tmp_path):
         assert reopened.partition_info(0).session_id == -1
         assert reopened.update_partition_info(1, session_id=9).session_id == 9
         assert reopened.reset_partition_info(2) == PartitionInfo(2)  # an explicit reset repairs it
+
+
+def test_a_reset_writes_one_struct_so_a_torn_write_leaves_the_other(control):
+    control.update_partition_info(1, session_id=5, low_water_mark=50)        # slot 0, seq 1
+    assert control.reset_partition_info(1) == PartitionInfo(1)
+    # The reset went to the other struct with the next sequence number; the previous state is intact
+    # beside it, so a write torn half-way still leaves one valid struct.
+    assert [(s.valid, s.seq_no, s.session_id) for s in control.partition_structs(1)] == [
+        (True, 1, 5), (True, 2, -1)]
+
+
+def test_a_failed_fdatasync_makes_the_control_file_refuse_writes(control, monkeypatch):
+    # The kernel reports the error once; the page cache then holds a state that may not be on disk.
+    import waltz.storage.controlfile as controlfile_module
+
+    def failing_datasync(fd):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(controlfile_module, "datasync", failing_datasync)
+    with pytest.raises(SyncFailed, match="Input/output error"):
+        control.update_partition_info(0, session_id=1)
+    monkeypatch.undo()
+    assert control.partition_info(0).session_id == -1 and control.sync_failure is not None
+    for attempt in (lambda: control.update_partition_info(1, session_id=2), lambda: control.reset_partition_info(2)):
+        with pytest.raises(SyncFailed, match="restart the storage node"):
+            attempt()
 
 
 def test_wrong_partition_id_field_is_corruption(control, tmp_path):

@@ -18,6 +18,7 @@ from waltz.protocols import storage_messages as sm
 from waltz.protocols.rpc import AdminClientProtocol, RemoteError, RequestClientFactory, StorageClientProtocol
 from waltz.protocols.values import Record, ReqId
 from waltz.storage import segment as segment_module
+from waltz.storage.controlfile import CONTROL_FILE_NAME, HEADER_SIZE, PARTITION_INFO_SIZE
 from waltz.storage.handlers import AdminServerProtocol, NodeFactory, StorageServerProtocol
 from waltz.storage.node import StorageNode
 
@@ -255,3 +256,46 @@ async def test_a_sync_failing_inside_an_append_stops_the_partition_reporting_its
     problem = harness.node.partitions[0].problem
     assert problem is not None and "restart the storage node" in problem and "Input/output error" in problem
     assert harness.node.assigned_status() == ((0, False),)
+
+
+@pytest_twisted.ensureDeferred
+async def test_unassigning_with_delete_repairs_a_corrupted_control_record(tmp_path):
+    directory = str(tmp_path / "storage")
+    first = Harness(directory)
+    await first.start()
+    await assign(first, 0)
+    s = await first.connect()
+    await s.request(sm.AppendRequest(1, 0, 0, records(0, 5), False))
+    await first.stop()
+    path = os.path.join(directory, CONTROL_FILE_NAME)
+    with open(path, "r+b") as f:                # both structs of partition 0 unreadable
+        f.seek(HEADER_SIZE + 4)
+        f.write(b"\xff" * (PARTITION_INFO_SIZE - 4))
+    second = Harness(directory)
+    await second.start()
+    try:
+        assert "failed to open" in second.node.partitions[0].problem
+        admin = await second.connect(admin=True)
+        await admin.request(am.PartitionAssignmentRequest(0, (0,), False, True))     # unassign, delete files
+        assert not os.path.exists(os.path.join(directory, "0"))
+        assert second.node.control.partition_info(0).session_id == -1
+        assert (await admin.request(am.AssignedPartitionStatusRequest(0))).partition_status == ()
+    finally:
+        await second.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_health_names_a_control_file_whose_fdatasync_failed(harness, monkeypatch):
+    from waltz.storage import controlfile as controlfile_module
+    from waltz.storage.tap import StorageService
+    service = StorageService.__new__(StorageService)     # only its health check, on the harness's node
+    service.node = harness.node
+    assert service.problems() == []
+
+    def failing_datasync(fd):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(controlfile_module, "datasync", failing_datasync)
+    admin = await harness.connect(admin=True)
+    with pytest.raises(RemoteError, match="Input/output error"):
+        await admin.request(am.PartitionAssignmentRequest(0, (0,), True, False))
+    assert len(service.problems()) == 1 and "restart the storage node" in service.problems()[0]

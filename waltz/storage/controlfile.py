@@ -37,7 +37,7 @@ import attr
 from waltz.protocols.values import checksum
 from waltz.storage.errors import (
     ControlFileError, ControlFileMismatch, PartitionInfoCorrupted, StorageClosed,
-    StorageDirectoryInUse, StorageError, UnknownPartition,
+    StorageDirectoryInUse, StorageError, SyncFailed, UnknownPartition,
 )
 from waltz.storage.fileio import (
     datasync, file_size, fsync_directory, make_directory_durably, pread_upto, pwrite_all)
@@ -193,6 +193,7 @@ class ControlFile:
         self.read_only = read_only
         self._fd = fd
         self._current = {}  # partition id -> _Current, filled on first use
+        self._sync_failure = None   # a failed fdatasync makes the file unusable (see SyncFailed)
 
     # -- opening -----------------------------------------------------------------------------
 
@@ -331,11 +332,20 @@ class ControlFile:
         return self.update_partition_info(partition_id, flags=info.flags)
 
     def reset_partition_info(self, partition_id: int) -> PartitionInfo:
-        """Durably reformat a partition's record to the initial state (also repairs a corrupted one)."""
-        self._check_partition(partition_id)
-        self._write(_partition_offset(partition_id), _format_partition(partition_id))
-        self._current.pop(partition_id, None)
-        return self.partition_info(partition_id)
+        """Durably return a partition's record to the initial state (also repairs a corrupted one).
+
+        A readable record is reset like any update, by writing the other struct with the next
+        sequence number, so one valid struct survives a torn write; only a record that cannot be
+        read is reformatted whole."""
+        initial = PartitionInfo(partition_id)
+        try:
+            return self.update_partition_info(
+                partition_id, session_id=initial.session_id, low_water_mark=initial.low_water_mark,
+                local_low_water_mark=initial.local_low_water_mark, flags=initial.flags)
+        except PartitionInfoCorrupted:
+            self._write(_partition_offset(partition_id), _format_partition(partition_id))
+            self._current.pop(partition_id, None)
+            return self.partition_info(partition_id)
 
     # -- closing -----------------------------------------------------------------------------
 
@@ -394,8 +404,26 @@ class ControlFile:
             raise StorageClosed("control file %s is closed" % self.path)
         if self.read_only:
             raise StorageError("control file %s is open read-only" % self.path)
+        self.check_usable()
         pwrite_all(self._fd, data, offset)
-        datasync(self._fd)
+        try:
+            datasync(self._fd)
+        except OSError as exc:
+            # As for a segment: the kernel reports the error once, and the page cache now holds a
+            # state that may not be on disk. Nothing more is written; a restart reads what is there.
+            self._sync_failure = exc
+            raise SyncFailed("fdatasync of control file %s failed: %s" % (self.path, exc)) from exc
+
+    @property
+    def sync_failure(self):
+        """The OSError of a failed fdatasync that made the file refuse writes, or None."""
+        return self._sync_failure
+
+    def check_usable(self) -> None:
+        """Raise :class:`SyncFailed` once an fdatasync of the file has failed."""
+        if self._sync_failure is not None:
+            raise SyncFailed("control file %s is unusable after a failed fdatasync (%s); restart the storage "
+                             "node" % (self.path, self._sync_failure))
 
 
 def _lock(fd: int, directory: str, shared: bool) -> None:

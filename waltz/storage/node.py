@@ -7,6 +7,7 @@ assigned partition. Opening, assigning and removing partitions run their file
 work off the reactor thread.
 """
 
+import os
 import shutil
 import threading
 
@@ -15,6 +16,7 @@ from twisted.logger import Logger
 
 from waltz.storage.controlfile import ControlFile, PartitionFlags, PartitionInfo
 from waltz.storage.errors import ControlFileMismatch, StorageError, UnknownPartition
+from waltz.storage.fileio import fsync_directory
 from waltz.storage.partition import PartitionRefused, StoragePartition
 from waltz.storage.partition_log import PartitionLog, partition_directory
 from waltz.storage.worker import PartitionWorker
@@ -204,13 +206,20 @@ class StorageNode:
                 partition = self.partitions.pop(pid, None)
                 if partition is not None:
                     yield partition.close()
-                yield threads.deferToThread(self.control.set_flag, pid, PartitionFlags.ASSIGNED, False)
                 if delete_files:
+                    # The reset clears ASSIGNED too, and works on a corrupted record, which set_flag cannot.
                     yield threads.deferToThread(self._delete_files, pid)
+                else:
+                    yield threads.deferToThread(self.control.set_flag, pid, PartitionFlags.ASSIGNED, False)
                 self._forget_metrics(pid)
 
     def _delete_files(self, pid):
-        shutil.rmtree(partition_directory(self.directory, pid), ignore_errors=True)
+        """Remove the partition's segments, durably, then reset its control record: a crash between
+        the two must not leave old segments beside a reset record."""
+        directory = partition_directory(self.directory, pid)
+        if os.path.isdir(directory):
+            shutil.rmtree(directory, ignore_errors=True)
+            fsync_directory(self.directory)
         self.control.reset_partition_info(pid)
 
     def _forget_metrics(self, pid):

@@ -78,8 +78,13 @@ class StorageService(AsyncStartService):
     def problems(self):
         """Health problems: partitions that failed to open or whose disk failed (the original always reports
         healthy)."""
-        return ["partition %d %s" % (pid, p.problem)
-                for pid, p in sorted(self.node.partitions.items()) if p.problem]
+        problems = ["partition %d %s" % (pid, p.problem)
+                    for pid, p in sorted(self.node.partitions.items()) if p.problem]
+        control = self.node.control
+        if control is not None and control.sync_failure is not None:
+            problems.insert(0, "control file %s: fdatasync failed (%s); restart the storage node"
+                            % (control.path, control.sync_failure))
+        return problems
 
     @defer.inlineCallbacks
     def stop(self):
