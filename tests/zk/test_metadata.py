@@ -221,6 +221,22 @@ async def test_admin_lock_excludes_other_sessions_and_dies_with_its_holder(clust
 
 
 @pytest_twisted.ensureDeferred
+async def test_releasing_never_deletes_another_sessions_lock(cluster_metadata, zookeeper):
+    # A holder whose session expired mid-edit, releasing late, must not free the lock someone else took.
+    other_zk = await connected(zookeeper)
+    try:
+        other = ClusterMetadata(other_zk, cluster_metadata.paths.root).admin_lock()
+        await other.acquire()
+        await cluster_metadata.admin_lock().release()
+        assert (await cluster_metadata.zk.exists(cluster_metadata.paths.admin_lock)).ephemeralOwner == \
+            other_zk.session_id
+        await other.release()
+        assert await cluster_metadata.zk.exists(cluster_metadata.paths.admin_lock) is None
+    finally:
+        await other_zk.close()
+
+
+@pytest_twisted.ensureDeferred
 async def test_admin_lock_serialises_runs(cluster_metadata):
     lock = cluster_metadata.admin_lock()
     events = []

@@ -52,9 +52,14 @@ class ZnodeMutex:
                 raise LockTimeoutError("lock %s is still held by another session after %.1f s"
                                        % (self.path, timeout)) from None
 
+    @defer.inlineCallbacks
     def release(self):
-        """Delete the lock znode (already gone is fine)."""
-        return self._zk.delete(self.path).addErrback(swallow, NoNodeError)
+        """Delete the lock znode if this session holds it (already gone is fine). A lock znode of
+        another session is left alone: after this session expired, someone else may hold the lock."""
+        stat = yield self._zk.exists(self.path)
+        if stat is None or stat.ephemeralOwner != self._zk.session_id:
+            return
+        yield self._zk.delete(self.path, version=stat.version).addErrback(swallow, NoNodeError)
 
     @defer.inlineCallbacks
     def run(self, function, *args, timeout=None, **kwargs):
