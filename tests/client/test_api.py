@@ -91,3 +91,13 @@ def test_client_config_errors_name_the_key(tmp_path):
     path = tmp_path / "client.yaml"
     path.write_text("zookeeper.connectString: h:1\ncluster.root: /c\nclient.autoMount: false\n")
     assert client_config(str(path))["client.autoMount"] is False
+
+
+def test_the_builder_refuses_data_over_the_transaction_limit():
+    from waltz.protocols.framing import MAX_TRANSACTION_DATA_SIZE
+    builder = TransactionBuilder(ReqId(1, 1, 0, 1), -1)
+    builder.set_transaction_data(b"x" * MAX_TRANSACTION_DATA_SIZE)
+    assert len(builder.build_request().data) == MAX_TRANSACTION_DATA_SIZE
+    builder.set_transaction_data(b"x" * (MAX_TRANSACTION_DATA_SIZE + 1))
+    with pytest.raises(ValueError, match="over the limit of 15728640 bytes"):
+        builder.build_request()

@@ -235,6 +235,16 @@ def test_a_corrupted_append_closes_only_that_connection():
     assert len(cluster.store.pending) == 1 and not other_transport.disconnecting
 
 
+def test_an_append_over_the_data_limit_closes_only_that_connection():
+    # Stored, it could never be read back: every reply carrying it would exceed a frame limit.
+    from waltz.protocols.framing import MAX_TRANSACTION_DATA_SIZE
+    cluster = Cluster()
+    proto, transport = server_over_string_transport(cluster)
+    proto.max_frame_size = 64 * 2 ** 20
+    proto.dataReceived(frame(cm.AppendRequest.create(rid(1), -1, 0, b"x" * (MAX_TRANSACTION_DATA_SIZE + 1))))
+    assert transport.disconnecting and cluster.store.pending == []
+
+
 def test_appends_over_the_cap_pause_reading_until_the_store_catches_up():
     cluster = Cluster(settings=PartitionSettings(max_pending_appends=2))
     proto, transport = server_over_string_transport(cluster)

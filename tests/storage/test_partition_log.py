@@ -134,6 +134,17 @@ def test_a_failed_fdatasync_makes_the_log_refuse_everything_after_it(tmp_path, m
     log.close()
 
 
+def test_reads_stop_before_the_record_that_would_pass_max_bytes(tmp_path):
+    log = open_log(tmp_path, segment_size_threshold=SMALL)
+    log.append(small_records(0, 12))                      # several segments
+    size = RECORD_OVERHEAD + len(small_records(0, 1)[0].data)
+    assert [r.transaction_id for r in log.read_records(0, 12, max_bytes=5 * size)] == [0, 1, 2, 3, 4]
+    assert [r.transaction_id for r in log.read_records(2, 12, max_bytes=5 * size + size - 1)] == [2, 3, 4, 5, 6]
+    assert [r.transaction_id for r in log.read_records(0, 12, max_bytes=1)] == [0]    # the first always
+    assert len(log.read_records(0, 12)) == 12
+    log.close()
+
+
 def test_a_failed_directory_fsync_makes_the_log_refuse_everything_after_it(tmp_path, monkeypatch):
     # Whether the deleted segments' directory entries are gone is unknown after it: as final as a data sync.
     log = open_log(tmp_path, segment_size_threshold=SMALL)

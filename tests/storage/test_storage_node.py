@@ -299,3 +299,17 @@ async def test_health_names_a_control_file_whose_fdatasync_failed(harness, monke
     with pytest.raises(RemoteError, match="Input/output error"):
         await admin.request(am.PartitionAssignmentRequest(0, (0,), True, False))
     assert len(service.problems()) == 1 and "restart the storage node" in service.problems()[0]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_record_list_stops_short_of_the_frame_limit(harness):
+    # 12 records of 2 MiB asked at once would be a 24 MiB answer: over the 16 MiB frame limit of the
+    # server's storage connections, which would close, and the same read would close it again.
+    await assign(harness, 0)
+    s = await harness.connect()
+    big = tuple(Record.create(t, ReqId(1, 1, 0, t), 0, bytes([t]) * (2 * 2 ** 20)) for t in range(12))
+    for first in range(0, 12, 4):
+        await s.request(sm.AppendRequest(1, 0, 0, big[first:first + 4], False))
+    listed = (await s.request(sm.RecordListRequest(1, 0, 0, 0, 12))).records
+    assert listed == big[:3]                   # 3 x 2 MiB fit in 8 MiB, a fourth would not
+    assert (await s.request(sm.RecordListRequest(1, 0, 0, 3, 12))).records == big[3:6]

@@ -19,6 +19,7 @@ import attr
 from zope.interface import Interface, implementer
 
 from waltz.protocols.client_messages import AppendRequest
+from waltz.protocols.framing import MAX_TRANSACTION_DATA_SIZE
 from waltz.protocols.locks import lock_hash
 from waltz.protocols.values import ReqId
 
@@ -138,9 +139,13 @@ class TransactionBuilder:
         self.append_locks = lock_hashes(locks)
 
     def build_request(self) -> AppendRequest:
-        """The append request (data defaults to empty bytes)."""
-        return AppendRequest.create(self.req_id, self.client_high_water_mark, self.header,
-                                    self.data if self.data is not None else b"",
+        """The append request (data defaults to empty bytes); :class:`ValueError` when the data is
+        larger than a transaction may carry (``MAX_TRANSACTION_DATA_SIZE``, 15 MiB)."""
+        data = self.data if self.data is not None else b""
+        if len(data) > MAX_TRANSACTION_DATA_SIZE:
+            raise ValueError("transaction data of %d bytes is over the limit of %d bytes (%d MiB)"
+                             % (len(data), MAX_TRANSACTION_DATA_SIZE, MAX_TRANSACTION_DATA_SIZE // 2 ** 20))
+        return AppendRequest.create(self.req_id, self.client_high_water_mark, self.header, data,
                                     write_locks=self.write_locks, read_locks=self.read_locks,
                                     append_locks=self.append_locks)
 

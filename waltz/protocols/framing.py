@@ -23,6 +23,17 @@ HELLO_VERSION = 0
 #: Frames whose payload is larger than this close the connection (configurable per protocol).
 DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
 
+#: The most data one transaction may carry. The client refuses to build a bigger one and the server
+#: closes a connection that appends one, so that every frame carrying one transaction's data (the
+#: append, a record read back from storage, a data response) fits in DEFAULT_MAX_FRAME_SIZE with room
+#: to spare for its other fields.
+MAX_TRANSACTION_DATA_SIZE = 15 * 1024 * 1024
+
+#: A message carrying several records (a store batch to the storages, a storage's record list) stops
+#: taking records once the next one would bring its data past this; the first is always taken. With
+#: MAX_TRANSACTION_DATA_SIZE, every such message fits in DEFAULT_MAX_FRAME_SIZE.
+MAX_BATCH_DATA_SIZE = 8 * 1024 * 1024
+
 
 def encode_frame_header(magic: bytes, version: int, length: int) -> bytes:
     """The 7-byte header of a frame carrying ``length`` payload bytes."""

@@ -37,6 +37,7 @@ from zope.interface import implementer
 from waltz.protocols import client_messages as cm
 from waltz.protocols.base import WaltzProtocol
 from waltz.protocols.errors import ProtocolError
+from waltz.protocols.framing import MAX_TRANSACTION_DATA_SIZE
 from waltz.server.partition import ClientConnection, ServerPartition
 
 #: Answers to partition messages for a partition this server does not have (others are dropped).
@@ -119,6 +120,11 @@ class ServerProtocol(WaltzProtocol):
     def messageReceived(self, message):
         kind = type(message)
         if kind in self.PARTITION_MESSAGES:
+            if kind is cm.AppendRequest and len(message.data) > MAX_TRANSACTION_DATA_SIZE:
+                # It could be stored, but never read back: every reply carrying it would exceed
+                # the frame limit of the connections it crosses.
+                raise ProtocolError("append of %d bytes of data, over the limit of %d"
+                                    % (len(message.data), MAX_TRANSACTION_DATA_SIZE))
             return self._partition_message(message)
         request = SERVER_REQUESTS.get(kind)
         if request is None:

@@ -24,6 +24,7 @@ import attr
 from twisted.internet import defer
 
 from waltz.protocols import storage_messages as sm
+from waltz.protocols.framing import MAX_BATCH_DATA_SIZE
 from waltz.storage.errors import StorageError
 
 
@@ -193,7 +194,8 @@ class StoragePartition:
 
     def _record_list(self, message):
         count = min(max(message.max_records, 0), MAX_LIST_RECORDS)
-        return self._reply(message, sm.RecordListResponse, tuple(self.log.read_records(message.transaction_id, count)))
+        return self._reply(message, sm.RecordListResponse,
+                           tuple(self.log.read_records(message.transaction_id, count, MAX_BATCH_DATA_SIZE)))
 
     # -- admin changes (also through the worker, so they are ordered with requests) ----------
 
@@ -209,7 +211,7 @@ class StoragePartition:
         if self.failure is not None or self.log is None:
             return defer.fail(PartitionRefused("partition %d failed to open: %s" % (self.partition_id, self.failure)))
         count = min(max(max_records, 0), MAX_LIST_RECORDS)
-        return self.worker.submit(lambda: tuple(self.log.read_records(transaction_id, count)))
+        return self.worker.submit(lambda: tuple(self.log.read_records(transaction_id, count, MAX_BATCH_DATA_SIZE)))
 
     def close(self) -> defer.Deferred:
         """Finish queued work, close the log and stop the worker."""

@@ -27,7 +27,7 @@ from waltz.storage.errors import (
 )
 from waltz.storage.fileio import fsync_directory, make_directory_durably
 from waltz.storage.segment import (
-    Segment, encode_record, list_segments, remove_segment_files, remove_stray_files,
+    RECORD_OVERHEAD, Segment, encode_record, list_segments, remove_segment_files, remove_stray_files,
 )
 
 
@@ -252,23 +252,30 @@ class PartitionLog:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def read_records(self, transaction_id: int, max_count: int) -> list:
+    def read_records(self, transaction_id: int, max_count: int, max_bytes: int = None) -> list:
         """Up to ``max_count`` records from ``transaction_id`` on (fewer or none past the end).
 
         Every record is CRC-checked: a damaged one raises
-        :class:`~waltz.storage.errors.CorruptedRecord`, never returns bad data.
+        :class:`~waltz.storage.errors.CorruptedRecord`, never returns bad data. With
+        ``max_bytes``, stops before the record that would bring their encoded size past
+        it; the first record is returned whatever its size.
         """
         self._check_open()
-        records = []
+        records, remaining = [], max_bytes
         while len(records) < max_count and 0 <= transaction_id <= self.max_transaction_id:
             segment = self._segment_containing(transaction_id)
             if segment is None:
                 break
-            got = segment.read_records(transaction_id, max_count - len(records))
+            got = segment.read_records(transaction_id, max_count - len(records), remaining,
+                                       first_may_exceed=not records)
             if not got:
                 break
             records.extend(got)
             transaction_id += len(got)
+            if remaining is not None:
+                remaining -= sum(RECORD_OVERHEAD + len(record.data) for record in got)
+                if remaining <= 0:
+                    break
         return records
 
     def read_record(self, transaction_id: int):

@@ -24,6 +24,7 @@ durable: :meth:`Segment.recover` trusts those and rescans the rest.
 Segments are blocking and thread-confined (one worker thread per partition).
 """
 
+import bisect
 import os
 import re
 import struct
@@ -479,11 +480,14 @@ class Segment:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def read_records(self, transaction_id: int, max_count: int) -> list:
+    def read_records(self, transaction_id: int, max_count: int, max_bytes: int = None,
+                     first_may_exceed: bool = True) -> list:
         """Up to ``max_count`` records from ``transaction_id``, each CRC-checked.
 
         Returns fewer (or none) past the end of the segment; raises
-        :class:`CorruptedRecord` rather than return a damaged record.
+        :class:`CorruptedRecord` rather than return a damaged record. With
+        ``max_bytes``, stops before the record that would bring the records' encoded
+        size past it (the first one is returned anyway when ``first_may_exceed``).
         """
         self._check_open()
         i = transaction_id - self.first_transaction_id
@@ -493,6 +497,14 @@ class Segment:
         offsets = self._index.offsets(i, n + 1)
         end = offsets.pop() if len(offsets) > n else self._data_size
         base = offsets[0]
+        if max_bytes is not None and end - base > max_bytes:
+            # records 0..k-1 span offsets[0]..offsets[k]: keep the longest run that fits
+            fitting = bisect.bisect_right(offsets, base + max_bytes) - 1
+            if fitting == 0 and not first_may_exceed:
+                return []
+            n = max(fitting, 1)
+            end = offsets[n] if n < len(offsets) else end
+            offsets = offsets[:n]
         buf = pread_upto(self._data_fd, end - base, base)
         records = []
         for k, offset in enumerate(offsets):

@@ -402,3 +402,27 @@ def test_partial_batches_wait_for_the_one_in_flight_but_full_ones_pipeline():
     a.ack()
     b.ack()
     assert results[7].result == 7
+
+
+def test_a_batch_stops_short_of_the_storages_frame_limit():
+    # 100 appends of 3 MiB would make one 300 MiB storage request, over every frame limit: the
+    # storage would close the connection, and the retry after recovery would do the same for ever.
+    h = Harness(manual=True)
+    partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=100, max_batches_in_flight=1)
+    partition.open()
+    big = b"x" * (3 * 2 ** 20)
+    results = [partition.append(ReqId(1, 1, 0, n), 0, big, checksum(big)) for n in range(5)]
+    a, b, c = (h.sessions[0].replicas_by_name[s] for s in STORAGES)
+    sent = [call[1] for call in a.calls if call[0] == "append"]
+    assert sent == [(0,)]                      # the first went alone (nothing was queued behind it yet)
+    a.ack(), b.ack()
+    assert [call[1] for call in a.calls if call[0] == "append"][-1] == (1, 2)    # 6 MiB: a third is over 8
+    a.ack(), b.ack()
+    a.ack(), b.ack()
+    assert [call[1] for call in a.calls if call[0] == "append"][1:] == [(1, 2), (3, 4)]
+    assert [d.result for d in results] == [0, 1, 2, 3, 4]
+    huge = b"y" * (10 * 2 ** 20)             # one transaction over the batch limit still goes, alone
+    last = partition.append(ReqId(1, 1, 0, 9), 0, huge, checksum(huge))
+    assert a.calls[-1] == ("append", (5,))
+    a.ack(), b.ack()
+    assert last.result == 5

@@ -21,6 +21,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from waltz.interfaces import IStorePartition
+from waltz.protocols.framing import MAX_BATCH_DATA_SIZE
 from waltz.protocols.values import Record
 from waltz.server.store.session import SessionClosed, SessionState
 from waltz.zk.errors import GenerationMismatchError
@@ -225,9 +226,12 @@ class StorePartition:
         return not self._in_flight or len(self._queue) >= self.max_batch_size
 
     def _send_batch(self, session):
-        batch = []
+        batch, size = [], 0
         next_id = self._in_flight[-1][-1].transaction_id + 1 if self._in_flight else self.high_water_mark + 1
         while self._queue and len(batch) < self.max_batch_size:
+            size += len(self._queue[0].data)
+            if batch and size > MAX_BATCH_DATA_SIZE:
+                break       # the storages' frame limit: the rest goes in the next batch
             pending = self._queue.popleft()
             pending.transaction_id = next_id
             next_id += 1
