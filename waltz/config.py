@@ -8,6 +8,7 @@ loader fills in defaults, converts and checks every value, and raises
 required key, bad type or range, unknown key) before anything is started.
 """
 
+import ipaddress
 import os
 
 import attr
@@ -60,6 +61,26 @@ def non_negative_int(value):
     number = _parse_int(value)
     if number < 0:
         raise ValueError("expected a non-negative integer, got %d" % number)
+    return number
+
+
+def bind_address(value):
+    """An IP address literal to bind ports to (``0.0.0.0`` every IPv4 interface, ``::`` every one)."""
+    text = _parse_str(value).strip()
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        raise ValueError("expected an IP address such as 0.0.0.0 or 127.0.0.1, got %r" % text) from None
+    return text
+
+
+def frame_size(value):
+    """A frame size limit in bytes: at least DEFAULT_MAX_FRAME_SIZE (16 MiB), which every frame the system
+    makes fits in (a transaction's data is at most 15 MiB); a smaller limit would refuse legitimate frames."""
+    from waltz.protocols.framing import DEFAULT_MAX_FRAME_SIZE
+    number = _parse_int(value)
+    if number < DEFAULT_MAX_FRAME_SIZE:
+        raise ValueError("expected at least %d bytes (16 MiB), got %d" % (DEFAULT_MAX_FRAME_SIZE, number))
     return number
 
 

@@ -287,6 +287,11 @@ BAD_CONFIGS = {
     "fetch size": (lambda c: c.update({"server.minFetchSize": 2000}), "server.minFetchSize"),
     "preferred": (lambda c: c.update({"server.preferredPartitions": ["x"]}), "server.preferredPartitions"),
     "retry": (lambda c: c.update({"storage.initialRetryInterval": 0}), "storage.initialRetryInterval"),
+    "fractional partition": (lambda c: c.update({"server.preferredPartitions": [1.9]}), "server.preferredPartitions"),
+    "zero fetch size": (lambda c: c.update({"server.minFetchSize": 0}), "server.minFetchSize"),
+    "lock table": (lambda c: c.update({"server.optimisticLockTableSize": 2 ** 31}), "server.optimisticLockTableSize"),
+    "frame size": (lambda c: c.update({"server.maxFrameSize": 1}), "server.maxFrameSize"),
+    "bind address": (lambda c: c.update({"server.bindAddress": "not an address"}), "server.bindAddress"),
 }
 
 
@@ -348,5 +353,7 @@ async def test_preferred_partition_outside_the_cluster_exits_naming_the_key(tmp_
         stdin=subprocess.DEVNULL, cwd=daemon.run_dir)
     assert result.returncode == 1
     with open(daemon.log_path, encoding="utf-8") as log:
-        assert "config key 'server.preferredPartitions': partition ids [9] are not in 0..3" in log.read()
+        text = log.read()
+    assert "config key 'server.preferredPartitions': partition ids [9] are not in 0..3" in text
+    assert "starting on" not in text, "a port was bound before the config was found bad"
     assert await cluster_metadata.server_descriptors() == ()

@@ -291,6 +291,8 @@ BAD_CONFIGS = {
     "bad-port": (lambda c: c.update({"storage.admin.port": 70000}), "storage.admin.port"),
     "missing-directory": (_without_directory, "storage.directory"),
     "equal-ports": (lambda c: c.update({"storage.http.port": c["storage.port"]}), "storage.http.port"),
+    "bind-address": (lambda c: c.update({"storage.bindAddress": "not an address"}), "storage.bindAddress"),
+    "frame-size": (lambda c: c.update({"storage.maxFrameSize": 1024}), "storage.maxFrameSize"),
 }
 
 

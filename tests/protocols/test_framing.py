@@ -17,6 +17,7 @@ from twisted.test import iosim
 from waltz.protocols.base import WaltzProtocol
 from waltz.protocols.errors import DecodeError, UnknownMessageType
 from waltz.protocols.framing import Hello, encode_frame, negotiate
+from waltz.server.protocol import ServerProtocol
 from waltz.storage.handlers import AdminServerProtocol, StorageServerProtocol
 from waltz.protocols.errors import HandshakeError
 
@@ -298,10 +299,11 @@ def test_a_request_server_stops_reading_while_its_peer_does_not_read_its_answers
     assert proto.paused_events == ["paused", "resumed", "paused", "resumed"]
 
 
-def test_storage_connections_stop_reading_while_their_peer_does_not_read():
+def test_server_side_connections_stop_reading_while_their_peer_does_not_read():
     assert StorageServerProtocol.pause_reading_while_unwritable
     assert AdminServerProtocol.pause_reading_while_unwritable
-    assert not WaltzProtocol.pause_reading_while_unwritable   # feeds pause themselves (waltz.server.feed)
+    assert ServerProtocol.pause_reading_while_unwritable
+    assert not WaltzProtocol.pause_reading_while_unwritable
 
 
 def test_two_real_peers_negotiate_and_exchange_messages():

@@ -51,10 +51,9 @@ def test_feed_cache_is_bounded_in_blocks_and_partitions_are_separate():
         cache.add(0, header(t))
     assert cache.get(0, 0) is None and cache.get(0, 64) is not None and cache.get(0, 128) is not None
     assert cache.size_bytes == 2 * BLOCK_BYTES
-    cache.add(1, header(0))
-    cache.drop_partition(0)
-    assert cache.get(0, 128) is None and cache.get(1, 0) is not None
-    assert cache.size_bytes == BLOCK_BYTES
+    cache.add(1, header(0))                # partitions share the bound
+    assert cache.get(0, 64) is None and cache.get(0, 128) is not None and cache.get(1, 0) is not None
+    assert cache.size_bytes == 2 * BLOCK_BYTES
 
 
 def test_block_remainder_aligns_reads_to_blocks():
@@ -78,9 +77,8 @@ def test_transaction_data_cache_is_bounded_by_bytes():
     assert cache.get(0, 2) is None and cache.get(0, 1).checksum == 11 and cache.get(0, 3).checksum == 33
     cache.put(0, 4, b"x" * 1000, 44)                    # larger than the whole cache: not kept, nothing lost
     assert cache.get(0, 4) is None and cache.get(0, 3) is not None
-    cache.put(5, 1, b"p5", 55)
-    cache.drop_partition(0)
-    assert cache.get(0, 3) is None and cache.get(5, 1).data == b"p5"
+    cache.put(5, 1, b"p5", 55)                          # partitions share the bound
+    assert cache.get(0, 1) is None and cache.get(0, 3).checksum == 33 and cache.get(5, 1).data == b"p5"
     assert cache.hits > 0 and cache.misses > 0
 
 

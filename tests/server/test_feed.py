@@ -189,3 +189,33 @@ def test_a_single_catch_up_feed_is_served_chunk_after_chunk_to_the_end_of_its_cr
         per_turn.append(len(ids(conn)))
     assert per_turn == [100, 200, 300]
     assert store.header_reads == [] and conn.sent[-1] == FeedSuspended(rid())
+
+
+class SlowStore(DummyStore):
+    """Header reads answer one millisecond later, like a storage round trip."""
+
+    def __init__(self, *args, clock, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.clock = clock
+
+    def get_headers(self, first, count):
+        answer = defer.Deferred()
+        super().get_headers(first, count).addCallback(lambda headers: self.clock.callLater(0.001, answer.callback,
+                                                                                          headers))
+        return answer
+
+
+def test_a_long_replay_from_the_store_does_not_starve_the_other_catch_up_feeds():
+    # A catch-up feed served from a store read must go to the back of the line, as one served from
+    # the cache does; otherwise it misses again at its next block and is read for again, first.
+    clock = Clock()
+    store = SlowStore(20000, partition_id=PID, clock=clock)
+    feeds = FeedScheduler(PID, FeedCache(), store, clock, realtime_threshold=1000)
+    feeds.advance(store.high_water_mark)
+    replay, mount = DummyConnection("replay"), DummyConnection("mount")
+    feeds.add(FeedContext(ReqId(1, 1, PID, 0), replay, 0, 20000, FeedSuspended(ReqId(1, 1, PID, 0))))
+    feeds.add(FeedContext(ReqId(2, 1, PID, 0), mount, 10000, 10000, FeedSuspended(ReqId(2, 1, PID, 0))))
+    for _ in range(100):
+        clock.advance(0.001)
+    replayed, mounted = len(replay.of(FeedData)), len(mount.of(FeedData))
+    assert replayed > 0 and mounted > 0 and mounted >= replayed // 4

@@ -282,6 +282,22 @@ def test_feeds_stop_while_the_client_reads_slowly_and_resume_when_it_catches_up(
     assert messages[-1] == cm.FeedSuspended(rid(0))
 
 
+def test_a_client_that_does_not_read_its_data_answers_is_not_read_from():
+    # Pipelined data requests whose answers are never read would grow the server's buffer without bound.
+    cluster = Cluster(records=5)
+    proto, transport = server_over_string_transport(cluster)
+    proto.dataReceived(frame(cm.TransactionDataRequest(rid(1), 0)))
+    assert len(frames_in(transport.value())) == 1 and transport.producerState == "producing"
+    proto.pauseProducing()                                # the client stopped reading: the buffer is full
+    assert transport.producerState == "paused"
+    transport.clear()
+    proto.dataReceived(frame(cm.TransactionDataRequest(rid(2), 1)))
+    assert frames_in(transport.value()) == []             # buffered, not handled
+    proto.resumeProducing()                               # it read: the waiting request is answered
+    assert transport.producerState == "producing"
+    assert [m.req_id for m in frames_in(transport.value())] == [rid(2)]
+
+
 def test_factory_closes_every_connection():
     cluster = Cluster()
     first, first_transport = server_over_string_transport(cluster)

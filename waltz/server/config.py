@@ -15,8 +15,8 @@ The keys and defaults are the original's (``WaltzServerConfig``), except:
 * the retry intervals are milliseconds in the file, as in the original.
 """
 
-from waltz.config import (ZOOKEEPER_KEYS, ConfigError, Key, check_distinct_ports, load_config,
-                          non_negative_int, port, positive_int)
+from waltz.config import (ZOOKEEPER_KEYS, ConfigError, Key, bind_address, check_distinct_ports, frame_size,
+                          load_config, non_negative_int, port, positive_int)
 from waltz.server.caches import HEADER_BYTES, FeedCache
 
 MIB = 1024 * 1024
@@ -43,16 +43,26 @@ def partition_ids(value):
         raise ValueError("expected a list of partition ids")
     ids = []
     for item in items:
-        if isinstance(item, bool):
-            raise ValueError("expected partition ids, got %r" % item)
         try:
-            number = int(item)
-        except (TypeError, ValueError):
-            raise ValueError("expected partition ids, got %r" % item) from None
-        if number < 0:
-            raise ValueError("a partition id cannot be negative, got %d" % number)
+            number = non_negative_int(item)      # no bool, no float (1.9 is not partition 1)
+        except ValueError:
+            raise ValueError("expected partition ids (non-negative integers), got %r" % (item,)) from None
         ids.append(number)
     return tuple(sorted(set(ids)))
+
+
+#: The lock table derives slots from 30 bits of each hash (waltz.server.locks.SLOT_MASK): more slots
+#: than that could never be used.
+MAX_LOCK_TABLE_SIZE = 2 ** 30
+
+
+def lock_table_size(value):
+    """Slots of a partition's lock table: 1 to 2**30."""
+    number = positive_int(value)
+    if number > MAX_LOCK_TABLE_SIZE:
+        raise ValueError("expected at most %d slots (slots come from 30 bits of each lock hash), got %d"
+                         % (MAX_LOCK_TABLE_SIZE, number))
+    return number
 
 
 def host_name(value):
@@ -66,15 +76,15 @@ def host_name(value):
 SERVER_KEYS = ZOOKEEPER_KEYS + (
     Key("server.port", port, 55180, "port for Waltz clients (protocol L)"),
     Key("server.http.port", port, 55182, "port for /ping, /health and /metrics"),
-    Key("server.bindAddress", host_name, "0.0.0.0", "address the two ports bind to"),
+    Key("server.bindAddress", bind_address, "0.0.0.0", "IP address the two ports bind to"),
     Key("server.host", host_name, "127.0.0.1", "host name or address advertised to clients in ZooKeeper"),
     Key("server.preferredPartitions", partition_ids, (), "partitions this server asks for first"),
-    Key("server.optimisticLockTableSize", positive_int, 30000, "lock table slots per partition"),
+    Key("server.optimisticLockTableSize", lock_table_size, 30000, "lock table slots per partition"),
     Key("server.feedCacheSize", feed_cache_size, 64 * MIB, "bytes of transaction headers cached for feeds"),
     Key("server.transactionDataCacheSize", non_negative_int, 128 * MIB, "bytes of transaction data cached"),
-    Key("server.minFetchSize", non_negative_int, 100, "feed items granted per feed request at least"),
+    Key("server.minFetchSize", positive_int, 100, "feed items granted per feed request at least"),
     Key("server.realtimeThreshold", positive_int, 1000, "feeds closer than this to the end are realtime"),
-    Key("server.maxFrameSize", positive_int, 64 * MIB, "largest accepted client frame in bytes"),
+    Key("server.maxFrameSize", frame_size, 64 * MIB, "largest accepted client frame in bytes (at least 16 MiB)"),
     Key("storage.maxBatchSize", positive_int, 100, "appends per replicated batch"),
     Key("storage.initialRetryInterval", positive_int, 100, "first storage reconnect delay, ms"),
     Key("storage.maxRetryInterval", positive_int, 20000, "longest storage reconnect delay, ms"),

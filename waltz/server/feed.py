@@ -243,12 +243,18 @@ class FeedScheduler:
                 limit = self.items_per_turn if self.kind_of(feed) is FeedKind.REALTIME else self.catch_up_chunk
                 wanted = min(limit, feed.remaining, feed.behind(self.high_water_mark))
                 run = [feed_payload(h) for h in headers[start:start + wanted]]
-                self._send_run(feed, run, wanted, False)
+                sent, _ = self._send_run(feed, run, wanted, False)
+                if sent and self.kind_of(feed) is FeedKind.CATCH_UP:
+                    # To the back of the catch-up line, as after a cached run: otherwise a long replay
+                    # that misses the cache at every block is read for again and again, and the other
+                    # catch-up feeds (mounts among them) wait until it has finished.
+                    feed.turn = next(self._turns)
         self.wake()
 
     def _unexpected(self, failure):
         self._reading = False
         self.log.failure("partition {pid}: feed error", failure, pid=self.partition_id)
+        self.wake()   # the feeds go on (reading again if needed)
 
     def _read_failed(self, failure, first):
         self._reading = False

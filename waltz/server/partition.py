@@ -361,8 +361,6 @@ class ServerPartition:
         for item in queued:
             self._abandon(item)
         self._mounts.clear()
-        self.feed_cache.drop_partition(self.partition_id)
-        self.data_cache.drop_partition(self.partition_id)
         # The partition may now be served elsewhere: a stale high-water mark here would mislead readers of /metrics.
         self.metrics.high_water_mark.remove(self.partition_id)
         return defer.maybeDeferred(self.store.close)

@@ -87,6 +87,10 @@ class ServerProtocol(WaltzProtocol):
 
     codec = cm.CLIENT_CODEC
     hello_name = "Waltz Server"
+    #: A client that does not read what it is sent gets nothing more read from it: its feeds stop by
+    #: themselves, but answers to data requests it kept pipelining would be buffered without bound.
+    #: (Its appends then wait in its own buffers: the back pressure reaches the application.)
+    pause_reading_while_unwritable = True
     #: Messages handled by a partition.
     PARTITION_MESSAGES = frozenset(ServerPartition.HANDLERS)
 

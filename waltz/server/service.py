@@ -359,6 +359,11 @@ class WaltzServerService(AsyncStartService):
         if params.num_partitions != store.num_partitions:
             raise ClusterMismatch("inconsistent number of partitions: %s says %d, %s says %d" % (
                 self.cluster.paths.root, params.num_partitions, self.cluster.paths.store, store.num_partitions))
+        # Before anything is bound: a bad config fails the start naming the key.
+        outside = [p for p in self.config["server.preferredPartitions"] if p >= params.num_partitions]
+        if outside:
+            raise ConfigError("config key 'server.preferredPartitions': partition ids %s are not in 0..%d"
+                              % (outside, params.num_partitions - 1))
 
     def _listen(self):
         config, bind = self.config, self.config["server.bindAddress"]

@@ -1,18 +1,18 @@
 """The storage daemon's configuration keys, defaults and validation."""
 
 from waltz.config import (
-    ZOOKEEPER_KEYS, Key, check_distinct_ports, directory, load_config, port, positive_int)
+    ZOOKEEPER_KEYS, Key, bind_address, check_distinct_ports, directory, frame_size, load_config, port, positive_int)
 
 STORAGE_KEYS = ZOOKEEPER_KEYS + (
     Key("storage.port", port, 55280, "port for Waltz servers (protocol S)"),
     Key("storage.admin.port", port, 55281, "port for admin tools (protocol A)"),
     Key("storage.http.port", port, 55282, "port for /ping, /health and /metrics"),
-    Key("storage.bindAddress", str, "0.0.0.0", "address the three ports bind to"),
+    Key("storage.bindAddress", bind_address, "0.0.0.0", "IP address the three ports bind to"),
     Key("storage.directory", directory, doc="directory holding the control file and partitions"),
     Key("storage.segment.size.threshold", positive_int, 1_000_000_000,
         "bytes after which a partition rolls to a new segment"),
     Key("storage.segment.cache.capacity", positive_int, 5, "closed segments kept open per partition"),
-    Key("storage.maxFrameSize", positive_int, 64 * 1024 * 1024, "largest accepted frame in bytes"),
+    Key("storage.maxFrameSize", frame_size, 64 * 1024 * 1024, "largest accepted frame in bytes (at least 16 MiB)"),
 )
 
 PORT_KEYS = ("storage.port", "storage.admin.port", "storage.http.port")

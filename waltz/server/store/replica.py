@@ -68,10 +68,11 @@ class StorageConnection:
         return self.protocol is not None and not self.protocol.closed
 
     def when_open(self) -> defer.Deferred:
-        """Fires with the opened protocol (at once when connected)."""
+        """Fires with the opened protocol (at once when connected). Cancelling it (a timeout) forgets
+        the waiter, so probes of a node that stays down do not pile up."""
         if self.connected:
             return defer.succeed(self.protocol)
-        d = defer.Deferred()
+        d = defer.Deferred(lambda cancelled: self._waiters.remove(cancelled) if cancelled in self._waiters else None)
         self._waiters.append(d)
         return d
 
