@@ -8,7 +8,8 @@ from twisted.python.failure import Failure
 from tests.client.fakes import EP_A, EP_B, RecordingCallbacks, RecordingContext
 from waltz.client.api import Outcome
 from waltz.client.client import ClientState
-from waltz.client.errors import ClientAheadError, ClientClosedError, PartitionInactiveError, WaltzClientError
+from waltz.client.errors import (
+    ClientAheadError, ClientClosedError, HighWaterMarkTimeout, PartitionInactiveError, WaltzClientError)
 from waltz.client.partition import PartitionState
 from waltz.protocols import client_messages as m
 from waltz.protocols.locks import lock_hash
@@ -570,6 +571,25 @@ def test_high_water_marks(harness):
     d = client.high_water_marks()
     harness.settle()
     assert d.result == {0: 1, 1: -1}
+    d = client.high_water_marks([1])
+    harness.settle()
+    assert d.result == {1: -1}
+
+
+def test_high_water_marks_name_the_partitions_that_do_not_answer(harness):
+    # One partition served nowhere must not hold up the others for ever, and the error names it.
+    client = harness.client()
+    harness.discovery.move(1, None, 0)
+    harness.settle()
+    d = client.high_water_marks(timeout=5)
+    harness.settle()
+    assert not d.called                           # partition 0 answered; 1 has nowhere to ask
+    harness.settle(5.1)
+    with pytest.raises(HighWaterMarkTimeout, match=r"partition\(s\) 1:"):
+        d.result.raiseException()
+    d = client.high_water_marks([0], timeout=5)
+    harness.settle()
+    assert d.result == {0: -1}
 
 
 # --- partitions chosen by the application ---------------------------------------------------------

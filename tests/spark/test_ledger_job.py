@@ -74,6 +74,12 @@ async def test_the_ledger_job_rebuilds_balances_and_reports_mismatches(spark, st
     assert await in_thread(ledger.run, spark, args, out) == 2
     assert "not ledger entries: partition 0 transaction 2" in out.getvalue()
 
+    # A job that cannot run says so, with a status of its own: not 1, which means "inconsistent".
+    args.headers = "1,a"
+    out = io.StringIO()
+    assert await in_thread(ledger.run, spark, args, out) == ledger.JOB_FAILED
+    assert "ledger: the job failed:" in out.getvalue() and "headers" in out.getvalue()
+
 
 def account_partition(data):
     return json.loads(data)["account"] % 2

@@ -18,7 +18,8 @@ def options(**extra):
 
 
 def test_defaults_and_case_insensitive_keys():
-    parsed = parse_options({"ZooKeeper": "127.0.0.1:2181", "CLUSTER.ROOT": "/c", "client.maxdatarequestsinflight": "4"})
+    parsed = parse_options({"ZooKeeper": "127.0.0.1:2181", "CLUSTER.ROOT": "/c", "client.maxdatarequestsinflight": "4",
+                            "path": "ignored"})
     assert parsed.partitions is None and parsed.headers is None and parsed.include_data
     assert parsed.starting == TransactionIdSpec(EARLIEST) and parsed.ending == TransactionIdSpec(LATEST)
     assert parsed.client_config()["client.maxDataRequestsInFlight"] == "4"
@@ -31,6 +32,11 @@ def test_defaults_and_case_insensitive_keys():
     ({"endingTransactionIds": '{"0": -2}'}, "endingTransactionIds"),
     ({"headers": "1,a"}, "headers"), ({"includeRequestId": "2"}, "includeRequestId"),
     ({"timeout": "-1"}, "timeout"), ({"cluster.root": ""}, "cluster.root"),
+    ({"timeout": "inf"}, "timeout"), ({"timeout": "nan"}, "timeout"), ({"timeout": "1e300"}, "timeout"),
+    ({"startingTransactionId": "earliest"}, "startingtransactionid"),        # misspelled: not ignored
+    ({"startingOffsets": "earliest"}, "startingoffsets"),                    # Kafka's name
+    ({"cluster.root": "no-slash"}, "cluster.root"),
+    ({"zookeeper.sessionTimeout": "x"}, "zookeeper.sessionTimeout"),
 ])
 def test_bad_options_name_the_option(extra, option):
     with pytest.raises(OptionError, match="option '%s'" % option):

@@ -218,9 +218,13 @@ class BlockingWaltzClient:
     def high_water_mark(self, partition_id) -> int:
         return self._call(self.client.high_water_mark, partition_id)
 
-    def high_water_marks(self) -> dict:
-        """``{partition id: high-water mark}`` of every partition."""
-        return self._call(self.client.high_water_marks)
+    def high_water_marks(self, partition_ids=None) -> dict:
+        """``{partition id: high-water mark}`` of ``partition_ids`` (default: every partition); raises
+        :class:`~waltz.client.errors.HighWaterMarkTimeout` naming the partitions without an answer
+        within ``timeout``."""
+        inner = self.timeout
+        outer = None if inner is None else inner + 5.0   # the client's own timeout names the partitions
+        return call_blocking(self._reactor, self.client.high_water_marks, partition_ids, inner, timeout=outer)
 
     def get_transaction_data(self, partition_id, transaction_id) -> bytes:
         return self._call(self.client.get_transaction_data, partition_id, transaction_id)

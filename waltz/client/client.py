@@ -21,7 +21,7 @@ from twisted.logger import Logger
 from waltz.client.api import IWaltzClientCallbacks
 from waltz.client.config import ClientSettings, client_config
 from waltz.client.discovery import ZooKeeperDiscovery
-from waltz.client.errors import ClientClosedError, PartitionNotFoundError, WaltzClientError
+from waltz.client.errors import ClientClosedError, HighWaterMarkTimeout, PartitionNotFoundError, WaltzClientError
 from waltz.client.monitor import Submission
 from waltz.client.network import Backoff, ManagedConnection, ServerConnections, tcp_connector
 from waltz.client.partition import ClientPartition
@@ -281,11 +281,30 @@ class WaltzClient:
         except Exception:
             return defer.fail()
 
-    def high_water_marks(self):
-        """Fires with ``{partition id: high-water mark}`` for every partition."""
-        pids = sorted(self._partitions)
-        d = defer.gatherResults([self.high_water_mark(pid) for pid in pids], consumeErrors=True)
-        return d.addCallbacks(lambda marks: dict(zip(pids, marks)), _first_error)
+    def high_water_marks(self, partition_ids=None, timeout=None):
+        """Fires with ``{partition id: high-water mark}`` of ``partition_ids`` (default: every partition).
+
+        With ``timeout`` (seconds), fails with :class:`HighWaterMarkTimeout` naming the partitions that
+        did not answer in time (a partition not served anywhere answers nothing).
+        """
+        pids = sorted(self._partitions if partition_ids is None else set(partition_ids))
+        asks = [self.high_water_mark(pid) for pid in pids]
+        if timeout is not None:
+            for ask in asks:
+                ask.addTimeout(timeout, self._reactor)
+        d = defer.DeferredList(asks, consumeErrors=True)
+        return d.addCallback(self._marks_answered, pids, timeout)
+
+    @staticmethod
+    def _marks_answered(results, pids, timeout):
+        late = [pid for pid, (ok, value) in zip(pids, results) if not ok and value.check(defer.TimeoutError)]
+        if late:
+            raise HighWaterMarkTimeout("no high-water mark within %s s for partition(s) %s: not served, or their "
+                                       "server does not answer" % (timeout, ", ".join(map(str, late))))
+        for ok, value in results:
+            if not ok:
+                value.raiseException()
+        return {pid: value for pid, (_, value) in zip(pids, results)}
 
     def client_high_water_mark(self, partition_id) -> int:
         """The last transaction of the partition applied through this client's callbacks."""
@@ -397,7 +416,3 @@ class WaltzClient:
                 d.errback(error)
         return defer.maybeDeferred(self._discovery.close)
 
-
-def _first_error(failure):
-    failure.trap(defer.FirstError)
-    return failure.value.subFailure

@@ -48,5 +48,9 @@ class DataChecksumError(TransactionDataError):
     """Transaction data kept arriving with a checksum that does not match (after the retries)."""
 
 
+class HighWaterMarkTimeout(WaltzClientError, TimeoutError):
+    """Some partitions' high-water marks did not come in time; the message names them."""
+
+
 class ReadError(WaltzClientError):
     """A ``read_transactions`` range cannot be read (for example it starts beyond the log)."""

@@ -14,6 +14,7 @@ docs/spark.md for what the ids mean (both ends are inclusive).
 """
 
 import json
+import re
 from collections.abc import Mapping
 
 import attr
@@ -30,8 +31,15 @@ DEFAULT_MAX_PER_SPLIT = 100_000
 #: Default of ``timeout`` (seconds one read of a chunk of a split may take).
 DEFAULT_TIMEOUT = 300.0
 
+#: Longest ``timeout`` accepted: one day.
+MAX_TIMEOUT = 86400.0
+
 #: Client config keys that may be given as options (Spark lower-cases option keys; these restore the case).
 _CLIENT_KEYS_BY_LOWER = {key.name.lower(): key.name for key in CLIENT_KEYS}
+#: The data source's own options, lower-cased; ``path`` is what ``load(path)`` passes (ignored).
+_OPTIONS = ("zookeeper", "zookeeper.connectstring", "cluster.root", "partitions", "startingtransactionids",
+            "endingtransactionids", "headers", "includedata", "includerequestid", "maxtransactionspersplit",
+            "timeout", "path")
 
 
 class OptionError(ValueError):
@@ -80,11 +88,14 @@ class ReadOptions:
 def parse_options(options: Mapping) -> ReadOptions:
     """:class:`ReadOptions` from the data source's options (any key case); raises :class:`OptionError`."""
     values = {str(key).lower(): value for key, value in dict(options).items()}
+    _check_known(values)
     parsed = _parse(values)
     try:
         client_config(parsed.client_config())
     except ConfigError as exc:
-        raise OptionError("zookeeper" if "zookeeper.connectString" in str(exc) else "client.*", str(exc)) from None
+        named = re.search(r"config key '([^']+)'", str(exc))      # ConfigError messages name the key so
+        key = named.group(1) if named else "client config"
+        raise OptionError("zookeeper" if key == "zookeeper.connectString" else key, str(exc)) from None
     return parsed
 
 
@@ -107,6 +118,17 @@ def _parse(values):
         client_overrides={_CLIENT_KEYS_BY_LOWER[key]: value for key, value in values.items()
                           if key in _CLIENT_KEYS_BY_LOWER and key not in ("zookeeper.connectstring", "cluster.root")},
     )
+
+
+def _check_known(values):
+    """A misspelled option (``startingTransactionId``, Kafka's ``startingOffsets``) would otherwise be
+    ignored silently, and the read would cover the whole log."""
+    unknown = sorted(key for key in values if key not in _OPTIONS and key not in _CLIENT_KEYS_BY_LOWER)
+    if unknown:
+        raise OptionError(unknown[0], "is not an option of the waltz data source (options: zookeeper, cluster.root, "
+                          "partitions, startingTransactionIds, endingTransactionIds, headers, includeData, "
+                          "includeRequestId, maxTransactionsPerSplit, timeout, and client.* / zookeeper.* "
+                          "client config keys)")
 
 
 def _required(values, name, *aliases):
@@ -204,6 +226,7 @@ def parse_timeout(text):
         value = float(text)
     except ValueError:
         value = 0.0
-    if value <= 0:
-        raise OptionError("timeout", "%r is not a positive number of seconds" % text)
+    if not 0 < value <= MAX_TIMEOUT:      # also refuses nan and inf
+        raise OptionError("timeout", "%r is not a number of seconds above 0 and at most %d (one day)"
+                          % (text, MAX_TIMEOUT))
     return value

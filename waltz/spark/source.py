@@ -16,7 +16,7 @@ The driver reads the partitions' high-water marks with a read-only client and pl
 from pyspark.sql.datasource import DataSource, DataSourceReader
 
 from waltz.spark.options import parse_options
-from waltz.spark.planning import WaltzSplit, plan_ranges, plan_splits
+from waltz.spark.planning import WaltzSplit, plan_ranges, plan_splits, selected_partitions
 from waltz.spark.reading import read_schema, read_split, reading_client
 
 
@@ -52,7 +52,8 @@ class WaltzBatchReader(DataSourceReader):
     def partitions(self):
         with reading_client(self.options) as client:
             num_partitions = client.num_partitions
-            marks = client.high_water_marks()
+            # Only the selected partitions: one not served anywhere must not hold up a read of others.
+            marks = client.high_water_marks(selected_partitions(self.options, num_partitions))
         splits = plan_splits(plan_ranges(self.options, num_partitions, marks), self.options.max_per_split)
         return splits or [WaltzSplit(0, 0, -1)]
 

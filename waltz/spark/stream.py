@@ -16,7 +16,8 @@ The driver-side client (high-water marks) is opened on first use and closed by
 
 from pyspark.sql.datasource import DataSourceStreamReader
 
-from waltz.spark.planning import initial_offsets, offset_marks, offsets, plan_splits, stream_ranges
+from waltz.spark.planning import (
+    initial_offsets, offset_marks, offsets, plan_splits, selected_partitions, stream_ranges)
 from waltz.spark.reading import read_split, reading_client
 
 
@@ -38,7 +39,8 @@ class WaltzStreamReader(DataSourceStreamReader):
         if self._client is None:
             self._client_context = reading_client(self.options)
             self._client = self._client_context.__enter__()
-        return self._client.num_partitions, self._client.high_water_marks()
+        num_partitions = self._client.num_partitions
+        return num_partitions, self._client.high_water_marks(selected_partitions(self.options, num_partitions))
 
     def initialOffset(self):
         num_partitions, marks = self._marks()

@@ -106,8 +106,34 @@ def argument_parser():
     return parser
 
 
+#: Exit status of a job that could not run to its verdict (cluster unreachable, a read failed, a bad
+#: option, an unreadable database): distinct from 1, so that a script testing the status never takes
+#: a crash for an inconsistent ledger.
+JOB_FAILED = 3
+
+
 def run(spark, args, out=sys.stdout):
-    """The job; returns the exit status (0 consistent, 1 mismatches, 2 a bad log entry or database)."""
+    """The job; returns the exit status: 0 consistent, 1 mismatches, 2 a bad log entry or a missing
+    database file, 3 the job failed (the reason on one line)."""
+    try:
+        return _verdict(spark, args, out)
+    except Exception as exc:
+        print("ledger: the job failed: %s" % failure_reason(exc), file=out)
+        return JOB_FAILED
+
+
+def failure_reason(exc) -> str:
+    """One line saying why ``exc`` happened. A Python error inside Spark arrives as a JVM exception
+    whose message holds the Python traceback: its last ``Type: message`` line is the reason."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in reversed(lines):
+        name, sep, _ = line.partition(": ")
+        if sep and name.split(".")[-1].endswith(("Error", "Exception")) and " " not in name:
+            return line
+    return "%s: %s" % (type(exc).__name__, lines[0] if lines else "")
+
+
+def _verdict(spark, args, out):
     if args.compare_sqlite and not os.path.isfile(args.compare_sqlite):
         print("ledger: no such database file: %s" % args.compare_sqlite, file=out)
         return 2
