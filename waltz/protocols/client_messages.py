@@ -250,7 +250,7 @@ class RemovePreferredPartitionResponse(ClientMessage):
 
 @_message
 class PartitionsHealthRequest(ClientMessage):
-    """Ask for the health of the server's partitions (version 4 only)."""
+    """Ask for the health of the server's partitions (version 4 and later)."""
 
     TYPE = 21
     MIN_VERSION = 4
@@ -258,7 +258,7 @@ class PartitionsHealthRequest(ClientMessage):
 
 @_message
 class PartitionsHealthResponse(ClientMessage):
-    """``(partition id, healthy)`` per partition of the server (version 4 only)."""
+    """``(partition id, healthy)`` per partition of the server (version 4 and later)."""
 
     TYPE = 22
     MIN_VERSION = 4
