@@ -175,6 +175,8 @@ def read_yaml(path):
             data = yaml.safe_load(stream)
     except OSError as exc:
         raise ConfigError("cannot read config file %s: %s" % (path, exc.strerror)) from None
+    except UnicodeError as exc:
+        raise ConfigError("config file %s is not UTF-8 text: %s" % (path, exc)) from None
     except yaml.YAMLError as exc:
         raise ConfigError("config file %s is not valid YAML: %s" % (path, exc)) from None
     if data is None:

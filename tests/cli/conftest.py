@@ -1,8 +1,9 @@
-"""Fixtures for the ``waltz`` command tests that need a running local cluster."""
+"""Fixtures for the ``waltz`` command tests: a running local cluster, and a cluster that only exists in
+ZooKeeper."""
 
 import pytest
 
-from tests.cli.helpers import waltz
+from tests.cli.helpers import ok, waltz
 from waltz.local.daemons import free_port
 
 
@@ -15,3 +16,12 @@ def dev_cluster(tmp_path):
     assert up.returncode == 0, up.stderr
     yield "127.0.0.1:%d" % port, args
     waltz("dev", "down", *args, timeout=120)
+
+
+@pytest.fixture
+def serverless_cluster(zookeeper, cluster_root):
+    """The connection flags of a cluster of 4 partitions created in the session's ZooKeeper, with no server
+    (and no storage node): a client joins it, but no partition is served."""
+    conn = ["--zookeeper", zookeeper.connect_string, "--root", cluster_root]
+    ok("cluster", "create", "--name", "serverless", "--partitions", "4", *conn)
+    return conn

@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -57,3 +58,17 @@ def test_no_cluster_is_a_one_line_error():
     line = refused("client", "high-water-mark", "--zookeeper", "127.0.0.1:%d" % free_port(), "--root", "/nowhere",
                    "--timeout", "3", "--connect-timeout", "2000")
     assert "waltz: error:" in line
+
+
+def test_unanswered_partitions_are_named_on_timeout(serverless_cluster):
+    line = refused("client", "high-water-mark", *serverless_cluster, "--partitions", "1-2", "--timeout", "1")
+    assert line == ("waltz: error: no high-water mark within 1.0 s for partition(s) 1, 2: not served, or their "
+                    "server does not answer")
+
+
+def test_the_connect_timeout_reaches_the_client():
+    started = time.monotonic()
+    line = refused("client", "high-water-mark", "--zookeeper", "127.0.0.1:%d" % free_port(), "--root", "/nowhere",
+                   "--connect-timeout", "300", "--timeout", "20")
+    assert "cannot connect to ZooKeeper at 127.0.0.1:" in line and "within 300 ms" in line
+    assert time.monotonic() - started < 10

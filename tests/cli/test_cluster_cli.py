@@ -158,3 +158,22 @@ def test_bad_connection_options(args, message):
 ])
 def test_usage_errors_exit_2(args):
     refused(*args, code=2)
+
+
+@pytest.mark.parametrize("data", [b"", b"another application's data"])
+def test_delete_refuses_a_tree_that_is_not_a_waltz_cluster_even_with_force(zookeeper, cluster_root, data):
+    other = KazooClient(hosts=zookeeper.connect_string)
+    other.start(5)
+    try:
+        other.create(cluster_root, data, makepath=True)
+        other.create(cluster_root + "/config/settings", b"x", makepath=True)
+        conn = ["--zookeeper", zookeeper.connect_string, "--root", cluster_root]
+        for force in (["--force"], []):
+            line = refused("cluster", "delete", *force, *conn)
+            assert line.startswith("waltz: error: refusing to delete %s: it is not a Waltz cluster root (znode %s "
+                                   % (cluster_root, cluster_root)), line
+        assert other.exists(cluster_root + "/config/settings") is not None
+    finally:
+        other.delete(cluster_root, recursive=True)
+        other.stop()
+        other.close()

@@ -41,5 +41,6 @@ def test_the_demo_moves_money_through_faults_and_proves_nothing_was_lost(dev_clu
 
 
 def test_demo_option_errors_are_one_line():
-    assert "--instances must be at least 1" in refused("demo", "--instances", "0")
-    assert "--duration must be positive" in refused("demo", "--duration", "0")
+    assert "argument --instances: expected a positive integer, got '0'" in refused("demo", "--instances", "0", code=2)
+    assert "argument --duration: expected a positive number of seconds, got '0'" in refused(
+        "demo", "--duration", "0", code=2)

@@ -2,8 +2,11 @@
 
 import os
 import re
+import threading
 
 import pytest
+import pytest_twisted
+from twisted.internet import reactor
 
 from tests.cli.helpers import refused, waltz
 from waltz.local.daemons import free_port
@@ -67,4 +70,46 @@ def test_status_without_a_cluster_says_so(dev):
 
 
 def test_bad_arguments_are_one_line_errors(dev):
-    assert "invalid int value" in refused("dev", "up", "--zookeeper-port", "many", code=2)
+    assert "expected a port number 1-65535, got 'many'" in refused("dev", "up", "--zookeeper-port", "many", code=2)
+    assert "expected a positive integer, got '0'" in refused("dev", "up", "--partitions", "0", code=2)
+
+
+class _Recorder:
+    """Stands for a local process: records the thread of every call that would read files or /proc."""
+
+    def __init__(self, calls, name, **attributes):
+        self.calls = calls
+        self.name = name
+        self.__dict__.update(attributes)
+
+    def is_running(self):
+        self.calls.append((self.name + ".is_running", threading.current_thread()))
+        return True
+
+    @property
+    def pid(self):
+        self.calls.append((self.name + ".pid", threading.current_thread()))
+        return 4711
+
+
+@pytest_twisted.ensureDeferred
+async def test_up_reads_files_and_processes_off_the_reactor_thread(zookeeper, cluster_root, tmp_path):
+    calls = []
+    cluster = DevCluster(tmp_path / "dev", root=cluster_root, num_partitions=2, num_storages=1, num_servers=1)
+    cluster.zookeeper = _Recorder(calls, "zookeeper", connect_string=zookeeper.connect_string)
+
+    def daemon(kind, index):
+        calls.append(("daemon(%s, %d)" % (kind, index), threading.current_thread()))
+        return _Recorder(calls, "%s-%d" % (kind, index), http_port=1)
+    cluster.daemon = daemon
+    lines = []
+    await cluster.up(reactor, report=lines.append)
+    assert lines == ["zookeeper   running on %s (pid 4711)" % zookeeper.connect_string,
+                     "cluster     created at %s with 2 partitions" % cluster_root,
+                     "storage-0   running (pid 4711)",
+                     "server-0    running (pid 4711)"]
+    assert {name for name, _ in calls} == {"zookeeper.is_running", "zookeeper.pid", "daemon(storage, 0)",
+                                           "storage-0.is_running", "storage-0.pid", "daemon(server, 0)",
+                                           "server-0.is_running", "server-0.pid"}
+    on_the_reactor = [name for name, thread in calls if thread is threading.main_thread()]
+    assert on_the_reactor == []    # the reactor runs on the main thread

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.cli.helpers import waltz
+from tests.cli.helpers import refused, waltz
 
 
 @pytest.mark.timeout(300)
@@ -18,3 +18,14 @@ def test_producers_then_consumers_report_what_they_did(dev_cluster):
     consumed = waltz("perf", "consumers", *conn, timeout=200)
     assert consumed.returncode == 0, consumed.stdout + consumed.stderr
     assert "consumers: 600 transactions (38400 bytes)" in consumed.stdout, consumed.stdout
+
+
+def test_producers_give_up_after_their_timeout(serverless_cluster):
+    line = refused("perf", "producers", *serverless_cluster, "--transactions", "5", "--timeout", "2")
+    assert line == "waltz: error: perf producers did not finish within 2 s (0 of 5 transactions committed)"
+
+
+def test_consumers_give_up_on_unserved_partitions_within_their_timeout(serverless_cluster):
+    line = refused("perf", "consumers", *serverless_cluster, "--partitions", "3", "--timeout", "1")
+    assert line == ("waltz: error: no high-water mark within 1.0 s for partition(s) 3: not served, or their "
+                    "server does not answer")

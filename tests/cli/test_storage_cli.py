@@ -16,6 +16,7 @@ from twisted.internet import threads
 from tests.cli.helpers import ok, refused
 from tests.integration.conftest import StorageClients, daemons, start_storage  # noqa: F401 (fixtures)
 from tests.storage.test_storage_node import records
+from waltz.local.daemons import free_port
 from waltz.protocols import admin_messages as am
 from waltz.protocols import storage_messages as sm
 from waltz.zk.metadata import ClusterMetadata
@@ -164,6 +165,19 @@ async def test_add_and_remove_partitions(add_node, cluster, clients):
         "unassigned partitions 3 on storage node %s and deleted their files\n" % a.storage)
     assert not os.path.exists(a.partition_dir(3))
     assert await node_status(clients, a) == ((0, True),)
+
+
+def test_remove_partition_refuses_to_delete_files_zookeeper_still_assigns_to_the_node(cluster, cluster_root):
+    # Nothing runs on these ports: the refusal comes before the node is asked, and --force goes on to ask it.
+    node = "127.0.0.1:%d" % free_port()
+    ok("cluster", "add-storage", "--storage", node, "--admin-port", str(free_port()), "--group", "0", *cluster)
+    ok("cluster", "assign", "--storage", node, "--partitions", "1-2", *cluster)
+    assert refused("storage", "remove-partition", "-s", node, "-p", "0-2", "--delete-files", *cluster) == (
+        "waltz: error: refusing to delete the files of partitions 1-2 on storage node %s: %s/store/assignment still "
+        "assigns them to it; run 'waltz cluster unassign' first (or use --force)" % (node, cluster_root))
+    for args in (["-p", "0-2", "--delete-files", "--force"], ["-p", "1"], ["-p", "0", "--delete-files"]):
+        assert " is unreachable: " in refused("storage", "remove-partition", "-s", node, *args, "--timeout", "2",
+                                              *cluster)
 
 
 @pytest_twisted.ensureDeferred

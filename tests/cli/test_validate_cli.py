@@ -3,7 +3,7 @@
 import pytest
 from twisted.internet import defer
 
-from tests.cli.helpers import waltz
+from tests.cli.helpers import refused, waltz
 from waltz.cli.client import _Validator
 
 
@@ -35,3 +35,14 @@ def test_the_checker_reports_wrong_data_and_gaps():
     validator.apply_transaction(_Tx(1, 3, b"3"))
     assert problems == ["client 0: partition 0: transaction 1 holds b'5'",
                         "client 0: partition 1: transaction 3 after -1"]
+
+
+def test_validate_gives_up_on_unserved_partitions_within_its_timeout(serverless_cluster):
+    line = refused("client", "validate", *serverless_cluster, "--transactions", "5", "--timeout", "1")
+    assert line == ("waltz: error: no high-water mark within 1.0 s for partition(s) 0, 1, 2, 3: not served, or their "
+                    "server does not answer")
+
+
+def test_validate_options_are_checked():
+    assert "argument --clients: expected a positive integer, got '0'" in refused(
+        "client", "validate", "--clients", "0", code=2)

@@ -198,6 +198,15 @@ async def cluster(private_zookeeper):
     await group.stop()
 
 
+@pytest_twisted.async_yield_fixture
+async def proxy(cluster):
+    """A :class:`CuttableProxy` to the cluster's ZooKeeper, closed after the test."""
+    forwarder = CuttableProxy(cluster.zookeeper)
+    forwarder.listen()
+    yield forwarder
+    await forwarder.close()
+
+
 async def restart(zookeeper, down=1.5):
     await threads.deferToThread(zookeeper.kill)
     await sleep(down)
@@ -232,81 +241,63 @@ async def test_zookeeper_down_longer_than_the_session_timeout_the_servers_give_t
     await cluster.settled([a, b], "the servers to take their partitions back")
 
 
-@pytest_twisted.ensureDeferred
-async def test_a_server_that_cannot_reconnect_after_the_restart_gives_up_before_the_other_takes_over(cluster):
-    proxy = CuttableProxy(cluster.zookeeper)
-    proxy.listen()
+async def split_with_a_behind(proxy, cluster):
+    """Servers a (reaching ZooKeeper through ``proxy``) and b (directly), settled; ``(a, b, a's partitions)``."""
+    a = await cluster.start(5001, connect_string=proxy.connect_string)
+    b = await cluster.start(5002, seed=1)
+    await cluster.settled([a, b], "the split")
+    return a, b, dict(a.partitions)
+
+
+async def takes_over_without_overlap(cluster, a, b, a_had):
+    """Wait until ``b`` holds every partition, checking every 10 ms that no partition is held by both; then
+    ``a`` must hold none and ``b`` the ones ``a`` had (``a_had``) at their next generation."""
+    violations = []
+
+    def check():
+        twice = cluster.held_twice()
+        if twice:
+            violations.append((reactor.seconds(), sorted(twice)))
+    checker = task.LoopingCall(check)
+    checker.start(0.01)
     try:
-        a = await cluster.start(5001, connect_string=proxy.connect_string)
-        b = await cluster.start(5002, seed=1)
-        await cluster.settled([a, b], "the split")
-        a_had = dict(a.partitions)
-        assert a_had and a.is_coordinator
-
-        # ZooKeeper dies; when it is back, b reconnects but a cannot (its reconnect hangs, say).
-        await threads.deferToThread(cluster.zookeeper.kill)
-        await proxy.cut()
-        await sleep(1.5)
-        await threads.deferToThread(cluster.zookeeper.start)
-
-        # ZooKeeper expires a's session and b, the coordinator now, takes every partition.
-        violations = []
-
-        def check():
-            twice = cluster.held_twice()
-            if twice:
-                violations.append((reactor.seconds(), sorted(twice)))
-        checker = task.LoopingCall(check)
-        checker.start(0.01)
-        try:
-            await until(lambda: sorted(b.partitions) == list(range(TEST_PARTITIONS)),
-                        "b to take every partition", timeout=SESSION_MS / 1000.0 + 20)
-            await sleep(0.2)
-        finally:
-            checker.stop()
-        assert a.partitions == {} and cluster.reports[a][-1] == {}, \
-            "a still serves %r after its session expired" % (a.partitions,)
-        assert not violations, "partitions open on both servers: %r" % violations[:3]
-        assert all(b.partitions[pid] == generation + 1 for pid, generation in a_had.items())
-
-        # a's connection comes back: it learns of the expiry, registers again and gets a share.
-        proxy.mend()
-        await until(lambda: a.state is MembershipState.MEMBER and a.znode is not None and a.partitions,
-                    "a to register again and get partitions", timeout=30)
-        await cluster.settled([a, b], "the split after a came back")
+        await until(lambda: sorted(b.partitions) == list(range(TEST_PARTITIONS)),
+                    "b to take every partition", timeout=SESSION_MS / 1000.0 + 20)
+        await sleep(0.2)
     finally:
-        await proxy.close()
+        checker.stop()
+    assert a.partitions == {} and cluster.reports[a][-1] == {}, \
+        "a still serves %r after its session expired" % (a.partitions,)
+    assert not violations, "partitions open on both servers: %r" % violations[:3]
+    assert all(b.partitions[pid] == generation + 1 for pid, generation in a_had.items())
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_server_cut_off_silently_gives_up_before_the_other_takes_over(cluster):
+async def test_a_server_that_cannot_reconnect_after_the_restart_gives_up_before_the_other_takes_over(cluster, proxy):
+    a, b, a_had = await split_with_a_behind(proxy, cluster)
+    assert a_had and a.is_coordinator
+
+    # ZooKeeper dies; when it is back, b reconnects but a cannot (its reconnect hangs, say).
+    await threads.deferToThread(cluster.zookeeper.kill)
+    await proxy.cut()
+    await sleep(1.5)
+    await threads.deferToThread(cluster.zookeeper.start)
+
+    # ZooKeeper expires a's session and b, the coordinator now, takes every partition.
+    await takes_over_without_overlap(cluster, a, b, a_had)
+
+    # a's connection comes back: it learns of the expiry, registers again and gets a share.
+    proxy.mend()
+    await until(lambda: a.state is MembershipState.MEMBER and a.znode is not None and a.partitions,
+                "a to register again and get partitions", timeout=30)
+    await cluster.settled([a, b], "the split after a came back")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_server_cut_off_silently_gives_up_before_the_other_takes_over(cluster, proxy):
     # No reset: kazoo notices only when a heartbeat goes unanswered, up to 2/3 of the session timeout
     # after the last reply. The server must still give its partitions up before ZooKeeper expires the
     # session and the coordinator moves them.
-    proxy = CuttableProxy(cluster.zookeeper)
-    proxy.listen()
-    try:
-        a = await cluster.start(5001, connect_string=proxy.connect_string)
-        b = await cluster.start(5002, seed=1)
-        await cluster.settled([a, b], "the split")
-        a_had = dict(a.partitions)
-        violations = []
-
-        def check():
-            twice = cluster.held_twice()
-            if twice:
-                violations.append((reactor.seconds(), sorted(twice)))
-        checker = task.LoopingCall(check)
-        checker.start(0.01)
-        proxy.silence()
-        try:
-            await until(lambda: sorted(b.partitions) == list(range(TEST_PARTITIONS)),
-                        "b to take every partition", timeout=SESSION_MS / 1000.0 + 20)
-            await sleep(0.2)
-        finally:
-            checker.stop()
-        assert a.partitions == {} and cluster.reports[a][-1] == {}
-        assert not violations, "partitions open on both servers: %r" % violations[:3]
-        assert all(b.partitions[pid] == generation + 1 for pid, generation in a_had.items())
-    finally:
-        await proxy.close()
+    a, b, a_had = await split_with_a_behind(proxy, cluster)
+    proxy.silence()
+    await takes_over_without_overlap(cluster, a, b, a_had)

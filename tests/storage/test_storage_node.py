@@ -72,6 +72,11 @@ def harness(tmp_path):
     pytest_twisted.blockon(h.stop())
 
 
+def failing_datasync(fd):
+    """An fdatasync that reports a writeback error."""
+    raise OSError(5, "Input/output error")
+
+
 def failure_text(exc_info):
     return exc_info.value.info.message
 
@@ -222,9 +227,6 @@ async def test_a_failed_fdatasync_fails_the_partition_for_good_and_says_so(harne
     s = await harness.connect()
     await s.request(sm.AppendRequest(1, 0, 0, records(0, 3), False))
 
-    def failing_datasync(fd):
-        raise OSError(5, "Input/output error")
-
     monkeypatch.setattr(segment_module, "datasync", failing_datasync)
     with pytest.raises(RemoteError, match="Input/output error"):
         await s.request(sm.AppendRequest(1, 0, 0, records(3, 2), False))
@@ -245,8 +247,6 @@ async def test_a_sync_failing_inside_an_append_stops_the_partition_reporting_its
     s = await harness.connect()
     await s.request(sm.AppendRequest(1, 0, 0, records(0, 20), False))
 
-    def failing_datasync(fd):
-        raise OSError(5, "Input/output error")
     monkeypatch.setattr(segment_module, "datasync", failing_datasync)
     with pytest.raises(RemoteError, match="Input/output error"):
         await s.request(sm.AppendRequest(1, 0, 0, records(20, 30), False))    # rolls a segment on the way
@@ -292,8 +292,6 @@ async def test_health_names_a_control_file_whose_fdatasync_failed(harness, monke
     service.node = harness.node
     assert service.problems() == []
 
-    def failing_datasync(fd):
-        raise OSError(5, "Input/output error")
     monkeypatch.setattr(controlfile_module, "datasync", failing_datasync)
     admin = await harness.connect(admin=True)
     with pytest.raises(RemoteError, match="Input/output error"):

@@ -3,15 +3,22 @@
 ``high-water-mark`` asks the servers for the high-water mark of every partition (or of those given).
 ``validate`` runs producers that write their high-water mark + 1 under a write lock on their partition,
 and consumers that check every transaction's data equals its id and that ids are consecutive.
+
+The helpers :func:`client_config`, :func:`joined`, :func:`all_of` and :func:`ask_high_water_marks` are
+shared with ``waltz perf``.
 """
 
 import time
 
 from twisted.internet import defer, task
 
-from waltz.cli.cluster import add_connection_options, connection_config, quiet_kazoo, run_reactor
-from waltz.cli.common import CliError, parse_partition_list
+from waltz.cli.cluster import add_connection_options, connection_config, quiet_kazoo, run_reactor, within
+from waltz.cli.common import CliError, parse_partition_list, positive_int, positive_seconds
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks
+
+#: The keys of the ``-c`` file and flags (:func:`~waltz.cli.cluster.connection_config`) a Waltz client takes.
+_CLIENT_ZOOKEEPER_KEYS = ("zookeeper.connectString", "zookeeper.connectTimeout", "zookeeper.sessionTimeout",
+                          "cluster.root")
 
 
 class _Nothing(WaltzClientCallbacks):
@@ -27,32 +34,50 @@ class _Nothing(WaltzClientCallbacks):
         return None
 
 
+def client_config(config, **extra):
+    """A Waltz client's config for the cluster of ``config`` (a :func:`~waltz.cli.cluster.connection_config`):
+    its ZooKeeper connect string and timeouts and the cluster root, plus the ``extra`` client keys."""
+    values = {key: config[key] for key in _CLIENT_ZOOKEEPER_KEYS}
+    values.update(extra)
+    return values
+
+
+def joined(client, timeout, reactor):
+    """Fires with ``client`` once it joined the cluster; a :class:`CliError` after ``timeout`` seconds."""
+    return within(client.when_started(), timeout, reactor, "the Waltz client did not join the cluster")
+
+
+def _first_failure(reason):
+    reason.trap(defer.FirstError)
+    return reason.value.subFailure
+
+
+def all_of(deferreds):
+    """Fires with the list of the results of ``deferreds``, or fails with the first one's failure (not
+    ``FirstError``)."""
+    return defer.gatherResults(deferreds, consumeErrors=True).addErrback(_first_failure)
+
+
+@defer.inlineCallbacks
+def ask_high_water_marks(reactor, config, timeout, partitions=None):
+    """Fires with ``(number of partitions, {partition: high-water mark})`` as a temporary client that mounts
+    nothing sees them, of the partitions of the list ``partitions`` (default all). Every wait is bounded by
+    ``timeout`` seconds; a partition whose server does not answer in time is named in the error."""
+    client = WaltzClient(_Nothing(), client_config(config, **{"client.autoMount": False}), reactor)
+    try:
+        yield joined(client, timeout, reactor)
+        ids = parse_partition_list(partitions, client.num_partitions) if partitions else None
+        marks = yield client.high_water_marks(ids, timeout=timeout)
+    finally:
+        yield client.close()
+    return client.num_partitions, marks
+
+
 def high_water_mark(args):
     config = connection_config(args)
     quiet_kazoo()
-    client_config = {"zookeeper.connectString": config["zookeeper.connectString"],
-                     "cluster.root": config["cluster.root"], "client.autoMount": False}
-
-    @defer.inlineCallbacks
-    def ask(reactor):
-        client = WaltzClient(_Nothing(), client_config, reactor)
-        try:
-            yield client.when_started().addTimeout(args.timeout, reactor)
-            partitions = parse_partition_list(args.partitions, client.num_partitions) if args.partitions \
-                else tuple(range(client.num_partitions))
-            marks = yield defer.gatherResults([client.high_water_mark(p) for p in partitions],
-                                              consumeErrors=True).addTimeout(args.timeout, reactor)
-            return list(zip(partitions, marks))
-        finally:
-            yield client.close()
-
-    try:
-        marks = run_reactor(ask)
-    except defer.TimeoutError:
-        raise CliError("no answer from the cluster within %.0f s" % args.timeout) from None
-    except defer.FirstError as exc:
-        raise CliError("a server did not answer: %s" % exc.subFailure.getErrorMessage()) from None
-    for partition, mark in marks:
+    _, marks = run_reactor(ask_high_water_marks, config, args.timeout, args.partitions)
+    for partition, mark in sorted(marks.items()):
         print("partition %d: high-water mark %d" % (partition, mark))
     return 0
 
@@ -101,33 +126,28 @@ class _NextId(TransactionContext):
 def validate(args):
     config = connection_config(args)
     quiet_kazoo()
-    client_config = {"zookeeper.connectString": config["zookeeper.connectString"],
-                     "cluster.root": config["cluster.root"],
-                     "client.transactionExpiration": int(args.timeout * 1000)}
     problems = []
 
     @defer.inlineCallbacks
     def run(reactor):
-        probe = WaltzClient(_Nothing(), dict(client_config, **{"client.autoMount": False}), reactor)
-        yield probe.when_started().addTimeout(args.timeout, reactor)
-        num_partitions = probe.num_partitions
-        start = yield defer.gatherResults([probe.high_water_mark(p) for p in range(num_partitions)])
-        yield probe.close()
+        num_partitions, start = yield ask_high_water_marks(reactor, config, args.timeout)
         validators = [_Validator("client %d" % i, num_partitions, problems) for i in range(args.clients)]
         for validator in validators:
-            validator.high_water_marks.update(enumerate(start))
-        clients = [WaltzClient(v, client_config, reactor) for v in validators]
+            validator.high_water_marks.update(start)
+        settings = client_config(config, **{"client.transactionExpiration": int(args.timeout * 1000)})
+        clients = [WaltzClient(v, settings, reactor) for v in validators]
         began = time.monotonic()
         try:
-            yield defer.gatherResults([c.when_started() for c in clients]).addTimeout(args.timeout, reactor)
+            yield all_of([joined(c, args.timeout, reactor) for c in clients])
             executions = [clients[n % len(clients)].execute(_NextId(n % num_partitions))
                           for n in range(args.transactions)]
-            results = yield defer.gatherResults(executions).addTimeout(args.timeout, reactor)
+            results = yield within(all_of(executions), args.timeout, reactor,
+                                   "the %d transactions did not all finish" % args.transactions)
             committed = sum(1 for r in results if r.committed)
             if committed != args.transactions:
                 problems.append("%d of %d transactions did not commit" % (args.transactions - committed,
                                                                          args.transactions))
-            marks = yield clients[0].high_water_marks()
+            marks = yield clients[0].high_water_marks(timeout=args.timeout)
             deadline = time.monotonic() + args.timeout
             while any(v.high_water_marks[p] < marks[p] for v in validators for p in marks):
                 if time.monotonic() > deadline:
@@ -138,10 +158,7 @@ def validate(args):
             for client in clients:
                 yield client.close()
 
-    try:
-        committed, seconds = run_reactor(run)
-    except defer.TimeoutError:
-        raise CliError("validation did not finish within %.0f s" % args.timeout) from None
+    committed, seconds = run_reactor(run)
     print("validated %d transactions with %d clients in %.1f s (%.0f/s)" % (
         committed, args.clients, seconds, committed / seconds if seconds else 0))
     for problem in problems:
@@ -159,11 +176,13 @@ def register(subparsers):
     sub = commands.add_parser("high-water-mark", help="high-water marks of partitions")
     add_connection_options(sub)
     sub.add_argument("--partitions", help="partition list such as 0-3,7 (default all)")
-    sub.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for answers (default 15)")
+    sub.add_argument("--timeout", type=positive_seconds, default=15.0,
+                     help="seconds to wait for each answer (default 15)")
     sub.set_defaults(func=high_water_mark)
     sub = commands.add_parser("validate", help="producers write hwm+1 under a lock; consumers check data == id")
     add_connection_options(sub)
-    sub.add_argument("--transactions", type=int, default=1000, help="transactions to write (default 1000)")
-    sub.add_argument("--clients", type=int, default=2, help="producing and consuming clients (default 2)")
-    sub.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds (default 120)")
+    sub.add_argument("--transactions", type=positive_int, default=1000, help="transactions to write (default 1000)")
+    sub.add_argument("--clients", type=positive_int, default=2, help="producing and consuming clients (default 2)")
+    sub.add_argument("--timeout", type=positive_seconds, default=120.0,
+                     help="give up on any step after this many seconds (default 120)")
     sub.set_defaults(func=validate)

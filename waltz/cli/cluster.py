@@ -7,22 +7,22 @@ remove-storage, assign, unassign, auto-assign) hold the cluster's admin lock
 and write the store znodes in one multi-op; refusals are one line on stderr
 with a non-zero exit status.
 
-The helpers :func:`add_connection_options`, :func:`connection_config` and
-:func:`run_with_cluster` are shared with other ``waltz`` subcommands that need
-the cluster metadata.
+The helpers :func:`add_connection_options`, :func:`connection_config`,
+:func:`run_reactor`, :func:`within` and :func:`run_with_cluster` are shared with
+other ``waltz`` subcommands that need the cluster metadata or the reactor.
 """
 
-import argparse
 import logging
+import sys
 
-from kazoo.exceptions import KazooException
 from twisted.internet import defer, task
+from twisted.logger import globalLogBeginner, textFileLogObserver
 from twisted.python.failure import Failure
 
-from waltz.cli.common import CliError, parse_partition_list
+from waltz.cli.common import (CliError, debugging, non_negative_int, parse_partition_list, port, positive_int,
+                              positive_seconds)
 from waltz.config import ZOOKEEPER_KEYS, build_config, flatten, read_yaml
 from waltz.zk.bridge import ZooKeeperClient
-from waltz.zk.errors import ZooKeeperLayerError
 from waltz.zk.metadata import ClusterMetadata
 from waltz.zk.topology import format_ids
 from waltz.zk.znodes import UNRESOLVED
@@ -47,7 +47,7 @@ def add_connection_options(parser):
                        help="YAML file with zookeeper.connectString and cluster.root")
     group.add_argument("--zookeeper", metavar="HOST:PORT[,...]", help="ZooKeeper connect string")
     group.add_argument("--root", metavar="/PATH", help="the cluster's root znode, e.g. /waltz_cluster")
-    group.add_argument("--connect-timeout", metavar="MS", type=int,
+    group.add_argument("--connect-timeout", metavar="MS", type=positive_int,
                        help="give up connecting to ZooKeeper after MS milliseconds (default 10000)")
 
 
@@ -63,7 +63,9 @@ def connection_config(args):
 
 def run_reactor(function, *args):
     """Run ``function(reactor, *args)`` (returning a Deferred) under ``task.react`` and return
-    its result here, or raise its exception here (so :mod:`waltz.cli.main` reports it)."""
+    its result here, or raise its exception here (so :mod:`waltz.cli.main` reports it). Twisted's
+    log is discarded meanwhile (written on stderr with ``WALTZ_DEBUG``)."""
+    _begin_twisted_log()
     outcome = []
 
     def body(reactor):
@@ -81,6 +83,25 @@ def run_reactor(function, *args):
     return outcome[0]
 
 
+def _begin_twisted_log():
+    # Until logging begins, Twisted prints critical events (a Waltz client failing to join the cluster,
+    # an unhandled error in a Deferred) with their tracebacks on stderr; the command reports failures
+    # itself, in one line. With WALTZ_DEBUG the log goes to stderr.
+    observer = textFileLogObserver(sys.stderr) if debugging() else (lambda event: None)
+    globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
+
+
+def within(d, seconds, reactor, what, progress=None):
+    """``d`` bounded by ``seconds``: when they pass first, ``d`` is cancelled and fails with the
+    :class:`CliError` "<what> within <seconds> s", followed by "(<progress()>)" when ``progress`` is
+    given, whatever the cancellation made of ``d`` (a cancelled ``gatherResults`` fails with
+    ``FirstError``, not ``CancelledError``)."""
+    def timed_out(result, timeout):
+        details = " (%s)" % progress() if progress is not None else ""
+        raise CliError("%s within %g s%s" % (what, timeout, details))
+    return d.addTimeout(seconds, reactor, onTimeoutCancel=timed_out)
+
+
 def quiet_kazoo():
     # Kazoo logs every failed connection attempt through the logging module's last-resort
     # handler (stderr); the command reports failures itself, in one line.
@@ -92,7 +113,7 @@ def quiet_kazoo():
 def run_with_cluster(args, action):
     """Connect as ``args`` say, call ``action(metadata)`` (may return a Deferred) with a
     :class:`ClusterMetadata`, close, and return the action's result; ZooKeeper-layer and
-    kazoo errors become :class:`CliError`."""
+    kazoo errors are raised here, for :mod:`waltz.cli.main` to report in one line."""
     config = connection_config(args)
     quiet_kazoo()
 
@@ -106,12 +127,7 @@ def run_with_cluster(args, action):
             yield zk.close()
         return result
 
-    try:
-        return run_reactor(session)
-    except ZooKeeperLayerError as exc:
-        raise CliError(str(exc)) from None
-    except KazooException as exc:
-        raise CliError("ZooKeeper request failed: %s %s" % (type(exc).__name__, exc)) from None
+    return run_reactor(session)
 
 
 # --- subcommands -----------------------------------------------------------------------------------
@@ -211,26 +227,9 @@ def format_description(d):
 # --- parser ---------------------------------------------------------------------------------------------
 
 
-def _int_at_least(minimum, what):
-    """An argparse type: an integer >= ``minimum``."""
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError("expected a %s integer, got %r" % (what, text))
-        return value
-    return parse
-
-
 def _verify(metadata, args):
     from waltz.cli.verify import verify  # it uses the server and storage tools, which import this module
     return verify(metadata, args)
-
-
-_positive_int = _int_at_least(1, "positive")
-_non_negative_int = _int_at_least(0, "non-negative")
 
 
 def _options(*specs, edit=False):
@@ -240,7 +239,7 @@ def _options(*specs, edit=False):
         for flags, kwargs in specs:
             parser.add_argument(*flags, required=True, **kwargs)
         if edit:
-            parser.add_argument("--lock-timeout", type=float, default=30.0, metavar="S",
+            parser.add_argument("--lock-timeout", type=positive_seconds, default=30.0, metavar="S",
                                 help="give up after S seconds if another admin holds the lock "
                                      "(default %(default)s)")
     return add
@@ -248,18 +247,19 @@ def _options(*specs, edit=False):
 
 _STORAGE = (("--storage", "-s"), dict(metavar="HOST:PORT", help="the storage node's connect string"))
 _PARTITIONS = (("--partitions", "-p"), dict(metavar="LIST", help="partition ids, e.g. 0-3,7"))
-_GROUP = (("--group", "-g"), dict(type=_non_negative_int, metavar="G", help="storage group id"))
+_GROUP = (("--group", "-g"), dict(type=non_negative_int, metavar="G", help="storage group id"))
 
 SUBCOMMANDS = (
     ("create", "create the cluster's znodes", _create, _options(
         (("--name", "-n"), dict(help="the cluster's name")),
-        (("--partitions", "-p"), dict(type=_positive_int, metavar="P", help="number of partitions")))),
+        (("--partitions", "-p"), dict(type=positive_int, metavar="P", help="number of partitions")))),
     ("show", "print the cluster's metadata", _show, _options()),
-    ("delete", "delete the cluster's znodes (refused while servers are registered)", _delete,
+    ("delete", "delete the cluster's znodes (refused while servers are registered, and always for a root "
+               "that is not a Waltz cluster)", _delete,
      lambda parser: parser.add_argument("--force", "-f", action="store_true",
                                         help="delete even while servers are registered")),
     ("add-storage", "add a storage node to a group", _add_storage, _options(
-        _STORAGE, (("--admin-port", "-a"), dict(type=_positive_int, metavar="PORT",
+        _STORAGE, (("--admin-port", "-a"), dict(type=port, metavar="PORT",
                                                  help="the storage node's admin port")), _GROUP, edit=True)),
     ("remove-storage", "remove a storage node holding no partitions", _remove_storage, _options(_STORAGE, edit=True)),
     ("assign", "assign partitions to a storage node", _assign, _options(_STORAGE, _PARTITIONS, edit=True)),
@@ -267,7 +267,7 @@ SUBCOMMANDS = (
     ("auto-assign", "spread all partitions round-robin over a group's storage nodes", _auto_assign,
      _options(_GROUP, edit=True)),
     ("verify", "check the assignment against what servers and storage nodes report", _verify,
-     lambda parser: parser.add_argument("--timeout", type=float, default=5.0, metavar="S",
+     lambda parser: parser.add_argument("--timeout", type=positive_seconds, default=5.0, metavar="S",
                                         help="seconds to wait for each server and storage node (default 5)")),
 )
 

@@ -1,4 +1,17 @@
-"""Shared pieces of the ``waltz`` command: the user-error type and option helpers."""
+"""Shared pieces of the ``waltz`` command: the user-error type, argparse option types, the one-line
+description of an error, and option helpers."""
+
+import argparse
+import math
+import os
+
+from kazoo.exceptions import KazooException
+
+from waltz.client.errors import WaltzClientError
+from waltz.config import ConfigError
+from waltz.local.daemons import DaemonError
+from waltz.local.zookeeper import ZooKeeperLaunchError
+from waltz.zk.errors import ZooKeeperLayerError
 
 
 class CliError(Exception):
@@ -7,6 +20,86 @@ class CliError(Exception):
     def __init__(self, message, exit_code=1):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+# --- argparse option types ----------------------------------------------------------------------
+
+
+def int_at_least(minimum, what):
+    """An argparse type: an integer >= ``minimum``; ``what`` names the kind in the error."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError("expected a %s integer, got %r" % (what, text))
+        return value
+    return parse
+
+
+#: An argparse type: an integer >= 1 (counts).
+positive_int = int_at_least(1, "positive")
+#: An argparse type: an integer >= 0 (ids, offsets).
+non_negative_int = int_at_least(0, "non-negative")
+
+
+def port(text):
+    """An argparse type: a TCP port number 1-65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError("expected a port number 1-65535, got %r" % text)
+    return value
+
+
+def positive_seconds(text):
+    """An argparse type: a positive, finite number of seconds (timeouts, intervals, durations)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError("expected a positive number of seconds, got %r" % text)
+    return value
+
+
+# --- errors as one line -------------------------------------------------------------------------
+
+#: The environment variable that makes the command print tracebacks and Twisted's log on stderr.
+DEBUG_VARIABLE = "WALTZ_DEBUG"
+
+
+def debugging():
+    """Whether the environment variable :data:`DEBUG_VARIABLE` is set (to anything but empty)."""
+    return bool(os.environ.get(DEBUG_VARIABLE))
+
+
+#: Errors whose message is written for the user: reported as their (first) line.
+EXPECTED_ERRORS = (CliError, ConfigError, ZooKeeperLayerError, WaltzClientError, DaemonError, ZooKeeperLaunchError)
+
+
+def _first_line(text):
+    lines = str(text).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def error_message(exc):
+    """What ``exc`` means, in one line: the message of the errors written for the user, the file and
+    reason of an OS error, and ``<type>: <message>`` for anything else."""
+    if isinstance(exc, EXPECTED_ERRORS):
+        return _first_line(exc) or type(exc).__name__
+    if isinstance(exc, KazooException):
+        return "ZooKeeper request failed: %s %s" % (type(exc).__name__, _first_line(exc))
+    if isinstance(exc, OSError) and exc.strerror:
+        return "%s: %s" % (exc.filename, exc.strerror) if exc.filename else exc.strerror
+    message = _first_line(exc)
+    return "%s: %s" % (type(exc).__name__, message) if message else type(exc).__name__
+
+
+# --- partition lists ----------------------------------------------------------------------------
 
 
 def parse_partition_list(text, num_partitions=None):

@@ -7,10 +7,11 @@ a deactivation, every committed transaction was applied exactly once by every in
 Exits 1 when a check fails. See docs/demo.md.
 """
 
+import sqlite3
 import sys
 
 from waltz.cli.cluster import quiet_kazoo, run_reactor
-from waltz.cli.common import CliError
+from waltz.cli.common import CliError, error_message, port, positive_int, positive_seconds
 from waltz.demo.runner import DemoSettings, InstanceError, load_run, run_demo
 from waltz.demo.checks import verify
 from waltz.local.daemons import DaemonError
@@ -20,12 +21,7 @@ from waltz.local.zookeeper import ZooKeeperLaunchError
 
 def demo(args):
     if args.check:
-        return _print_checks(verify(load_run(args.check)))
-    for name in ("instances", "accounts", "concurrency"):
-        if getattr(args, name) < 1:
-            raise CliError("--%s must be at least 1" % name)
-    if args.duration <= 0:
-        raise CliError("--duration must be positive")
+        return _print_checks(verify(_load_run(args.check)))
     quiet_kazoo()
     cluster = DevCluster(args.run_dir, args.zookeeper_port, args.root)
     settings = DemoSettings(instances=args.instances, accounts=args.accounts, duration=args.duration,
@@ -44,6 +40,14 @@ def demo(args):
     for fault in report.faults:
         print("  fault: %s" % fault)
     return _print_checks(report.checks, report.run_dir)
+
+
+def _load_run(run_dir):
+    """The instances' final states in a finished run's directory; :class:`CliError` when they cannot be read."""
+    try:
+        return load_run(run_dir)
+    except (OSError, sqlite3.Error, KeyError, ValueError) as exc:
+        raise CliError("cannot read the demo run in %s: %s" % (run_dir, error_message(exc))) from None
 
 
 def _say(line):
@@ -71,13 +75,13 @@ def register(subparsers):
                                    description=__doc__.split("\n\n")[1])
     parser.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="the local cluster's run directory "
                         "(default %(default)s)")
-    parser.add_argument("--zookeeper-port", type=int, default=DEFAULT_ZOOKEEPER_PORT,
+    parser.add_argument("--zookeeper-port", type=port, default=DEFAULT_ZOOKEEPER_PORT,
                         help="ZooKeeper client port on 127.0.0.1 (default %(default)s)")
     parser.add_argument("--root", default=DEFAULT_ROOT, help="cluster root znode (default %(default)s)")
-    parser.add_argument("--instances", type=int, default=3, help="application instances (default 3)")
-    parser.add_argument("--accounts", type=int, default=20, help="accounts (default 20)")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of traffic (default 60)")
-    parser.add_argument("--concurrency", type=int, default=8,
+    parser.add_argument("--instances", type=positive_int, default=3, help="application instances (default 3)")
+    parser.add_argument("--accounts", type=positive_int, default=20, help="accounts (default 20)")
+    parser.add_argument("--duration", type=positive_seconds, default=60.0, help="seconds of traffic (default 60)")
+    parser.add_argument("--concurrency", type=positive_int, default=8,
                         help="transactions in flight per instance (default 8)")
     parser.add_argument("--no-faults", action="store_true", help="do not kill anything")
     parser.add_argument("--seed", type=int, default=1, help="random seed (default 1)")

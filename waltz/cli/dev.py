@@ -9,7 +9,7 @@ transaction id.
 
 from twisted.internet import defer, threads
 
-from waltz.cli.common import CliError
+from waltz.cli.common import CliError, port, positive_int
 from waltz.cli.cluster import quiet_kazoo, run_reactor
 from waltz.cli.storage import StorageNodeClient
 from waltz.local.daemons import DaemonError
@@ -126,8 +126,9 @@ def register(subparsers):
                              (status, "status", "processes, partitions and replicas")):
         sub = commands.add_parser(name, help=text, description=text)
         sub.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="run directory (default %(default)s)")
-        sub.add_argument("--zookeeper-port", type=int, default=DEFAULT_ZOOKEEPER_PORT,
+        sub.add_argument("--zookeeper-port", type=port, default=DEFAULT_ZOOKEEPER_PORT,
                          help="ZooKeeper client port on 127.0.0.1 (default %(default)s)")
         sub.add_argument("--root", default=DEFAULT_ROOT, help="cluster root znode (default %(default)s)")
-        sub.add_argument("--partitions", type=int, default=4, help="partitions of a new cluster (default 4)")
+        sub.add_argument("--partitions", type=positive_int, default=4,
+                         help="partitions of a new cluster (default 4)")
         sub.set_defaults(func=func)

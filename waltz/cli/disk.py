@@ -15,7 +15,7 @@ import datetime
 import os
 from contextlib import closing
 
-from waltz.cli.common import CliError
+from waltz.cli.common import CliError, non_negative_int
 from waltz.storage.controlfile import ControlFile, PartitionFlags
 from waltz.storage.errors import StorageDirectoryInUse, StorageError
 from waltz.storage.index import FILE_HEADER_SIZE
@@ -36,9 +36,9 @@ def register(subparsers):
 
     dump_segment = commands.add_parser("dump-segment", help="print a segment's header and records")
     dump_segment.add_argument("--file", required=True, help="the segment data file (.seg)")
-    dump_segment.add_argument("--from", dest="from_txn", type=int, default=None, metavar="N",
+    dump_segment.add_argument("--from", dest="from_txn", type=non_negative_int, default=None, metavar="N",
                               help="first transaction id to print (default: the segment's first)")
-    dump_segment.add_argument("--count", type=int, default=None, metavar="K",
+    dump_segment.add_argument("--count", type=non_negative_int, default=None, metavar="K",
                               help="print at most K records (default: all)")
     dump_segment.add_argument("--data", action="store_true", help="also print each record's data")
     dump_segment.set_defaults(func=run_dump_segment)
@@ -50,7 +50,7 @@ def register(subparsers):
 
     stats = commands.add_parser("segment-stats", help="segments, records and bytes per partition")
     stats.add_argument("--dir", required=True, help="the storage directory (storage.directory)")
-    stats.add_argument("--partition", type=int, default=None, metavar="P", help="only this partition")
+    stats.add_argument("--partition", type=non_negative_int, default=None, metavar="P", help="only this partition")
     stats.set_defaults(func=run_segment_stats)
 
 

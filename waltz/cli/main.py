@@ -3,15 +3,17 @@
 Each module in :data:`COMMAND_MODULES` defines ``register(subparsers)``, which
 adds its parser and sets ``func`` (called with the parsed arguments, returning
 an exit status). User errors are :class:`CliError`: one line on stderr and a
-non-zero exit, never a traceback.
+non-zero exit, never a traceback. Any other exception is reported the same way (see
+:func:`~waltz.cli.common.error_message`); with the environment variable ``WALTZ_DEBUG``
+set, its traceback is printed first.
 """
 
 import argparse
 import importlib
 import sys
+import traceback
 
-from waltz.cli.common import CliError
-from waltz.config import ConfigError
+from waltz.cli.common import CliError, debugging, error_message
 
 COMMAND_MODULES = (
     "waltz.cli.cluster",
@@ -48,13 +50,22 @@ def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
         status = args.func(args) or 0
-    except (CliError, ConfigError) as exc:
-        print("waltz: error: %s" % exc, file=sys.stderr)
-        status = getattr(exc, "exit_code", 1)
     except KeyboardInterrupt:
         print("waltz: interrupted", file=sys.stderr)
         status = 130
+    except Exception as exc:
+        status = report_error(exc)
     sys.exit(status)
+
+
+def report_error(exc):
+    """Print ``exc`` as one line ``waltz: error: ...`` on stderr (after its traceback when the
+    environment variable ``WALTZ_DEBUG`` is set); returns the exit status (a :class:`CliError`'s
+    ``exit_code``, else 1)."""
+    if debugging():
+        traceback.print_exception(exc)
+    print("waltz: error: %s" % error_message(exc), file=sys.stderr)
+    return exc.exit_code if isinstance(exc, CliError) else 1
 
 
 if __name__ == "__main__":

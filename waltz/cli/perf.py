@@ -3,7 +3,8 @@
 ``producers`` runs C clients in this process executing N transactions of S bytes (keeping K outstanding per
 client), each with a write lock on a random id; it prints transactions/s, MB/s and latency percentiles
 (execute → committed). ``consumers`` reads the whole log of every partition (or the listed ones) through the feed
-with every transaction's data, and prints transactions/s and MB/s.
+with every transaction's data, and prints transactions/s and MB/s. Both show their progress on stderr when it is a
+terminal, and give up after ``--timeout`` seconds.
 """
 
 import random
@@ -12,8 +13,9 @@ import time
 
 from twisted.internet import defer, task
 
-from waltz.cli.cluster import add_connection_options, connection_config, quiet_kazoo, run_reactor
-from waltz.cli.common import CliError, parse_partition_list
+from waltz.cli.client import all_of, ask_high_water_marks, client_config, joined
+from waltz.cli.cluster import add_connection_options, connection_config, quiet_kazoo, run_reactor, within
+from waltz.cli.common import CliError, non_negative_int, positive_int, positive_seconds
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks
 from waltz.gc_tuning import tune_garbage_collector
 
@@ -61,16 +63,37 @@ class _Payload(TransactionContext):
         return True
 
 
-def _progress(label, done, total, began):
-    seconds = time.monotonic() - began
-    print("\r%s %d/%d (%.0f/s)" % (label, done, total, done / seconds if seconds else 0), end="", file=sys.stderr,
-          flush=True)
+class _Progress:
+    """``<label> <done()>/<total> (<rate>/s)`` on stderr, redrawn every second between :meth:`start` and
+    :meth:`stop`, only when stderr is a terminal (the line is ended at the stop, so an error after it is a
+    line of its own)."""
 
+    def __init__(self, reactor, label, done, total):
+        self.label = label
+        self.done = done
+        self.total = total
+        self.began = None
+        self._ticker = task.LoopingCall(self._show)
+        self._ticker.clock = reactor
+        self._shown = False
 
-def _client_config(config, **extra):
-    values = {"zookeeper.connectString": config["zookeeper.connectString"], "cluster.root": config["cluster.root"]}
-    values.update(extra)
-    return values
+    def start(self):
+        self.began = time.monotonic()
+        if sys.stderr.isatty():
+            self._ticker.start(1.0, now=False)
+
+    def _show(self):
+        seconds = time.monotonic() - self.began
+        done = self.done()
+        print("\r%s %d/%d (%.0f/s)" % (self.label, done, self.total, done / seconds if seconds else 0), end="",
+              file=sys.stderr, flush=True)
+        self._shown = True
+
+    def stop(self):
+        if self._ticker.running:
+            self._ticker.stop()
+        if self._shown:
+            print(file=sys.stderr, flush=True)
 
 
 def producers(args):
@@ -81,16 +104,15 @@ def producers(args):
 
     @defer.inlineCallbacks
     def run(reactor):
-        clients = [WaltzClient(_Follower(), _client_config(config, **{"client.maxConcurrentTransactions":
-                                                                       args.inflight}), reactor)
-                   for _ in range(args.clients)]
-        ticker = task.LoopingCall(lambda: _progress("committed", outcome["committed"], args.transactions, began))
+        settings = client_config(config, **{"client.maxConcurrentTransactions": args.inflight})
+        clients = [WaltzClient(_Follower(), settings, reactor) for _ in range(args.clients)]
+        progress = _Progress(reactor, "committed", lambda: outcome["committed"], args.transactions)
         try:
-            yield defer.gatherResults([c.when_started() for c in clients])
+            yield all_of([c.when_started() for c in clients])
             tune_garbage_collector()
             payload = b"p" * args.size
             began = time.monotonic()
-            ticker.start(1.0, now=False)
+            progress.start()
             remaining = {"n": args.transactions}
 
             @defer.inlineCallbacks
@@ -104,22 +126,25 @@ def producers(args):
                         outcome["committed"] += 1
                         latencies.append(time.monotonic() - started)
 
-            yield defer.gatherResults([worker(c) for c in clients for _ in range(args.inflight)])
+            yield all_of([worker(c) for c in clients for _ in range(args.inflight)])
             return time.monotonic() - began
         finally:
-            if ticker.running:
-                ticker.stop()
+            progress.stop()
             for client in clients:
                 yield client.close()
 
-    seconds = run_reactor(run)
+    def bounded(reactor):
+        return within(run(reactor), args.timeout, reactor, "perf producers did not finish",
+                      lambda: "%d of %d transactions committed" % (outcome["committed"], args.transactions))
+
+    seconds = run_reactor(bounded)
     committed = outcome["committed"]
     latencies.sort()
 
     def pct(q):
         return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000 if latencies else float("nan")
 
-    print("\nproducers: %d committed in %.1f s: %.0f transactions/s, %.2f MB/s; latency p50 %.1f ms, p99 %.1f ms, "
+    print("producers: %d committed in %.1f s: %.0f transactions/s, %.2f MB/s; latency p50 %.1f ms, p99 %.1f ms, "
           "max %.1f ms" % (committed, seconds, committed / seconds, committed * args.size / seconds / 1e6,
                            pct(0.5), pct(0.99), pct(1.0)))
     return 0 if committed == args.transactions else 1
@@ -131,21 +156,16 @@ def consumers(args):
 
     @defer.inlineCallbacks
     def run(reactor):
-        probe = WaltzClient(_Follower(), _client_config(config, **{"client.autoMount": False}), reactor)
-        yield probe.when_started()
-        partitions = parse_partition_list(args.partitions, probe.num_partitions) if args.partitions \
-            else tuple(range(probe.num_partitions))
-        marks = dict(zip(partitions, (yield defer.gatherResults([probe.high_water_mark(p) for p in partitions]))))
-        yield probe.close()
+        _, marks = yield ask_high_water_marks(reactor, config, args.timeout, args.partitions)
         total = sum(m + 1 for m in marks.values())
         follower = _Follower(fetch=True)
-        client = WaltzClient(follower, _client_config(config, **{"client.autoMount": False}), reactor)
-        began = time.monotonic()
-        ticker = task.LoopingCall(lambda: _progress("consumed", follower.applied, total, began))
+        client = WaltzClient(follower, client_config(config, **{"client.autoMount": False}), reactor)
+        progress = _Progress(reactor, "consumed", lambda: follower.applied, total)
         try:
-            yield client.when_started()
-            client.set_partitions(partitions)
-            ticker.start(1.0, now=False)
+            yield joined(client, args.timeout, reactor)
+            client.set_partitions(sorted(marks))
+            progress.start()
+            began = progress.began
             deadline = time.monotonic() + args.timeout
             while any(follower.high_water_marks.get(p, -1) < m for p, m in marks.items()) or \
                     follower.applied < total:
@@ -155,12 +175,11 @@ def consumers(args):
                 yield task.deferLater(reactor, 0.05, lambda: None)
             return follower.applied, follower.bytes, time.monotonic() - began
         finally:
-            if ticker.running:
-                ticker.stop()
+            progress.stop()
             yield client.close()
 
     applied, size, seconds = run_reactor(run)
-    print("\nconsumers: %d transactions (%d bytes) in %.1f s: %.0f transactions/s, %.2f MB/s"
+    print("consumers: %d transactions (%d bytes) in %.1f s: %.0f transactions/s, %.2f MB/s"
           % (applied, size, seconds, applied / seconds if seconds else 0, size / seconds / 1e6 if seconds else 0))
     return 0
 
@@ -173,15 +192,20 @@ def register(subparsers):
     commands.required = True
     sub = commands.add_parser("producers", help="append transactions and measure throughput and latency")
     add_connection_options(sub)
-    sub.add_argument("--transactions", type=int, default=10_000)
-    sub.add_argument("--size", type=int, default=100, help="bytes per transaction (default 100)")
-    sub.add_argument("--clients", type=int, default=2)
-    sub.add_argument("--inflight", type=int, default=50, help="outstanding transactions per client (default 50)")
-    sub.add_argument("--lock-range", type=int, default=1_000_000, help="write locks on random ids below this")
+    sub.add_argument("--transactions", type=positive_int, default=10_000)
+    sub.add_argument("--size", type=non_negative_int, default=100, help="bytes per transaction (default 100)")
+    sub.add_argument("--clients", type=positive_int, default=2)
+    sub.add_argument("--inflight", type=positive_int, default=50,
+                     help="outstanding transactions per client (default 50)")
+    sub.add_argument("--lock-range", type=positive_int, default=1_000_000,
+                     help="write locks on random ids below this")
     sub.add_argument("--seed", type=int, default=1)
+    sub.add_argument("--timeout", type=positive_seconds, default=600.0,
+                     help="give up after this many seconds (default 600)")
     sub.set_defaults(func=producers)
     sub = commands.add_parser("consumers", help="read the log with its data and measure throughput")
     add_connection_options(sub)
     sub.add_argument("--partitions", help="partition list such as 0-3 (default all)")
-    sub.add_argument("--timeout", type=float, default=600.0)
+    sub.add_argument("--timeout", type=positive_seconds, default=600.0,
+                     help="give up on any step after this many seconds (default 600)")
     sub.set_defaults(func=consumers)

@@ -8,6 +8,7 @@ from twisted.internet import defer, endpoints
 from twisted.internet.protocol import Factory
 
 from waltz.cli.cluster import add_connection_options, run_with_cluster
+from waltz.cli.common import positive_seconds
 from waltz.protocols import client_messages as m
 from waltz.protocols.base import WaltzProtocol
 from waltz.protocols.values import ReqId
@@ -77,5 +78,6 @@ def register(subparsers):
     commands.required = True
     sub = commands.add_parser("list", help="servers, their partitions, generations and health")
     add_connection_options(sub)
-    sub.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each server (default 5)")
+    sub.add_argument("--timeout", type=positive_seconds, default=5.0,
+                     help="seconds to wait for each server (default 5)")
     sub.set_defaults(func=list_servers)

@@ -10,7 +10,7 @@ import sys
 import tempfile
 
 from waltz.cli.cluster import quiet_kazoo, run_reactor
-from waltz.cli.common import CliError
+from waltz.cli.common import CliError, error_message, positive_int, positive_seconds
 from waltz.local.daemons import stop_recorded_processes
 from waltz.local.smoke import SmokeSettings, run_smoke
 
@@ -25,8 +25,8 @@ def smoke(args):
     progress = _progress if sys.stdout.isatty() or args.progress else None
     try:
         report = run_reactor(lambda reactor: run_smoke(reactor, run_dir, settings, progress))
-    except RuntimeError as exc:
-        raise CliError("smoke test did not finish: %s (logs kept in %s)" % (exc, run_dir)) from None
+    except Exception as exc:
+        raise CliError("smoke test did not finish: %s (logs kept in %s)" % (_failure_text(exc), run_dir)) from None
     finally:
         # After an interrupt the run's own clean-up may not have run: stop whatever is still recorded.
         stop_recorded_processes(run_dir)
@@ -36,6 +36,11 @@ def smoke(args):
         return 1
     shutil.rmtree(run_dir, ignore_errors=True)
     return 0
+
+
+def _failure_text(exc):
+    """What stopped the run, in one line (the run's own failures are RuntimeErrors written for the user)."""
+    return str(exc) if isinstance(exc, RuntimeError) else error_message(exc)
 
 
 def _progress(done, total, seconds):
@@ -66,11 +71,12 @@ def register(subparsers):
     """Add ``waltz smoke``."""
     parser = subparsers.add_parser("smoke", help="the smoke test with faults (starts its own cluster)",
                                    description=__doc__.split("\n\n")[1])
-    parser.add_argument("--transactions", type=int, default=20_000, help="transactions to commit (default 20000; "
-                        "1000000 is the full run)")
+    parser.add_argument("--transactions", type=positive_int, default=20_000,
+                        help="transactions to commit (default 20000; 1000000 is the full run)")
     parser.add_argument("--no-faults", action="store_true", help="do not kill anything")
-    parser.add_argument("--fault-interval", type=float, default=4.0, help="seconds between faults (default 4)")
+    parser.add_argument("--fault-interval", type=positive_seconds, default=4.0,
+                        help="seconds between faults (default 4)")
     parser.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+    parser.add_argument("--timeout", type=positive_seconds, default=1800.0, help="give up after this many seconds")
     parser.add_argument("--progress", action="store_true", help="show progress even when not on a terminal")
     parser.set_defaults(func=smoke)

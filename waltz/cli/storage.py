@@ -9,14 +9,12 @@ ZooKeeper and a failure response from a node are one line on stderr with a
 non-zero exit status.
 """
 
-import argparse
-
 import attr
 from twisted.internet import defer, endpoints
 from twisted.internet.error import ConnectError
 
 from waltz.cli.cluster import add_connection_options, run_with_cluster
-from waltz.cli.common import CliError, parse_partition_list
+from waltz.cli.common import CliError, parse_partition_list, positive_seconds
 from waltz.protocols import admin_messages as am
 from waltz.protocols import storage_messages as sm
 from waltz.protocols.rpc import (AdminClientProtocol, ConnectionClosed, RemoteError, RequestClientFactory,
@@ -265,9 +263,21 @@ def _add_partition(view, args):
 @defer.inlineCallbacks
 def _remove_partition(view, args):
     ids = view.partitions(args.partitions)
+    if args.delete_files and not args.force:
+        _refuse_deleting_assigned(view, args.storage, ids)
     yield using(view.client(args.storage), lambda client: client.assign(ids, False, args.delete_files))
     print("unassigned partitions %s on storage node %s%s" % (
         format_ids(ids), args.storage, " and deleted their files" if args.delete_files else ""))
+
+
+def _refuse_deleting_assigned(view, storage, ids):
+    """:class:`CliError` when ZooKeeper's store assignment still gives ``storage`` one of ``ids``:
+    deleting those files would destroy a replica the cluster counts on."""
+    assigned = sorted(set(ids) & set(view.assigned_in_zookeeper(storage)))
+    if assigned:
+        raise CliError("refusing to delete the files of partitions %s on storage node %s: %s/store/assignment "
+                       "still assigns them to it; run 'waltz cluster unassign' first (or use --force)"
+                       % (format_ids(assigned), storage, view.root))
 
 
 @defer.inlineCallbacks
@@ -304,17 +314,6 @@ def _sync_partitions(view, args):
 # --- parser ---------------------------------------------------------------------------------------------
 
 
-def _timeout(text):
-    """An argparse type: a positive number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError("expected a positive number of seconds, got %r" % text)
-    return value
-
-
 def _storage_option(parser, required=True):
     parser.add_argument("--storage", "-s", metavar="HOST:PORT", required=required,
                         help="the storage node's connect string (its storage port, as in ZooKeeper)")
@@ -328,7 +327,10 @@ def _partitions_options(parser):
 def _remove_partition_options(parser):
     _partitions_options(parser)
     parser.add_argument("--delete-files", "-d", action="store_true",
-                        help="also delete the partitions' files and reset their control-file records")
+                        help="also delete the partitions' files and reset their control-file records "
+                             "(refused while ZooKeeper's store assignment gives the node one of them)")
+    parser.add_argument("--force", "-f", action="store_true",
+                        help="with --delete-files: delete even partitions ZooKeeper still assigns to the node")
 
 
 def _availability_options(parser):
@@ -374,7 +376,7 @@ def register(subparsers):
     for name, text, action, add_arguments in SUBCOMMANDS:
         sub = commands.add_parser(name, help=text, description=text)
         add_arguments(sub)
-        sub.add_argument("--timeout", type=_timeout, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+        sub.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                          help="give up on a storage node after SECONDS (default %g)" % DEFAULT_TIMEOUT)
         add_connection_options(sub)
         sub.set_defaults(func=lambda args, action=action: _run(args, action))

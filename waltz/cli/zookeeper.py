@@ -6,7 +6,7 @@ when that run directory's server already runs. ``stop`` stops it by the pid
 recorded there. ``status`` exits 0 when it runs and 3 when it does not.
 """
 
-from waltz.cli.common import CliError
+from waltz.cli.common import CliError, port, positive_seconds
 from waltz.local.zookeeper import LocalZooKeeper, ZooKeeperLaunchError
 
 DEFAULT_RUN_DIR = "./.waltz-dev/zookeeper"
@@ -74,9 +74,9 @@ def register(subparsers):
         sub.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
                          help="directory for zoo.cfg, data, log and pid (default %(default)s)")
         if with_port:
-            sub.add_argument("--port", type=int, default=None,
+            sub.add_argument("--port", type=port, default=None,
                              help="client port on 127.0.0.1 (default %d, or the run dir's last one)"
                              % DEFAULT_PORT)
-        sub.add_argument("--timeout", type=float, default=30.0,
+        sub.add_argument("--timeout", type=positive_seconds, default=30.0,
                          help="seconds to wait for it to start or stop (default %(default)s)")
         sub.set_defaults(func=func)

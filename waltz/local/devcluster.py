@@ -92,12 +92,11 @@ class DevCluster:
 
     @defer.inlineCallbacks
     def up(self, reactor, report=print):
-        """Start everything that is not running; fires when every daemon answers ``/ping``."""
-        if not self.zookeeper.is_running():
-            yield threads.deferToThread(self.zookeeper.start)
-            report("zookeeper   started on %s (pid %s)" % (self.connect_string, self.zookeeper.pid))
-        else:
-            report("zookeeper   running on %s (pid %s)" % (self.connect_string, self.zookeeper.pid))
+        """Start everything that is not running; fires when every daemon answers ``/ping``.
+
+        What touches files or processes (configs, pid files, ``/proc``, starts) runs in threads, off the
+        reactor."""
+        report((yield threads.deferToThread(self._start_zookeeper)))
         zk = ZooKeeperClient(self.connect_string, reactor=reactor)
         yield zk.connect()
         try:
@@ -111,6 +110,15 @@ class DevCluster:
             yield self._ensure_daemon("server", index, lambda run_dir: local_server(
                 run_dir, self.connect_string, self.root, **SERVER_OVERRIDES), report)
 
+    def _start_zookeeper(self):
+        """Start ZooKeeper unless it runs; returns the line saying which (blocking)."""
+        if self.zookeeper.is_running():
+            state = "running"
+        else:
+            self.zookeeper.start()
+            state = "started"
+        return "zookeeper   %s on %s (pid %s)" % (state, self.connect_string, self.zookeeper.pid)
+
     @defer.inlineCallbacks
     def _ensure_cluster(self, metadata, report):
         try:
@@ -122,8 +130,7 @@ class DevCluster:
 
     @defer.inlineCallbacks
     def _ensure_storage(self, reactor, metadata, params, index, report):
-        fresh = self.daemon("storage", index) is None
-        daemon = yield self._ensure_daemon("storage", index, lambda run_dir: local_storage(
+        daemon, fresh = yield self._ensure_daemon("storage", index, lambda run_dir: local_storage(
             run_dir, self.connect_string, self.root), report)
         if fresh:
             name = "127.0.0.1:%d" % daemon.config["storage.port"]
@@ -135,14 +142,23 @@ class DevCluster:
 
     @defer.inlineCallbacks
     def _ensure_daemon(self, kind, index, make, report):
+        """Fires with ``(daemon, fresh)`` once the daemon ``kind``-``index`` runs (see :meth:`_start_daemon`)."""
+        daemon, fresh, line = yield threads.deferToThread(self._start_daemon, kind, index, make)
+        report(line)
+        return daemon, fresh
+
+    def _start_daemon(self, kind, index, make):
+        """Start the daemon ``kind``-``index`` unless it runs, made with ``make(run_dir)`` when it was never
+        started (``fresh``); returns ``(daemon, fresh, the line saying what happened)`` (blocking)."""
         name = "%s-%d" % (kind, index)
-        daemon = self.daemon(kind, index) or make(self.daemon_dir(kind, index))
+        daemon = self.daemon(kind, index)
+        fresh = daemon is None
+        if fresh:
+            daemon = make(self.daemon_dir(kind, index))
         if daemon.is_running():
-            report("%-11s running (pid %s)" % (name, daemon.pid))
-        else:
-            yield threads.deferToThread(daemon.start)
-            report("%-11s started (pid %s, http port %d)" % (name, daemon.pid, daemon.http_port))
-        return daemon
+            return daemon, fresh, "%-11s running (pid %s)" % (name, daemon.pid)
+        daemon.start()
+        return daemon, fresh, "%-11s started (pid %s, http port %d)" % (name, daemon.pid, daemon.http_port)
 
     # -- down ---------------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ throughput, the latencies and the faults injected.
 """
 
 import glob
+import hashlib
 import os
 import random
 import time
@@ -253,7 +254,8 @@ def run_smoke(reactor, run_dir, settings=SmokeSettings(), progress=None):
             ticker.clock = reactor
             ticker.start(1.0, now=False)
         try:
-            yield defer.gatherResults([p.done for p in producers]).addTimeout(settings.timeout, reactor)
+            yield defer.gatherResults([p.done for p in producers], consumeErrors=True).addTimeout(
+                settings.timeout, reactor, onTimeoutCancel=_producers_late(producers, settings))
         finally:
             if ticker is not None and ticker.running:
                 ticker.stop()
@@ -280,8 +282,16 @@ def run_smoke(reactor, run_dir, settings=SmokeSettings(), progress=None):
         for server in servers:
             yield threads.deferToThread(server.stop)
         yield cluster.stop()
-    _check_replicas(cluster, settings, report)
+    yield _check_replicas(cluster, settings, report)
     return report
+
+
+def _producers_late(producers, settings):
+    """``addTimeout``'s ``onTimeoutCancel`` for the producers: a RuntimeError saying how far they got."""
+    def late(result, timeout):
+        raise RuntimeError("the producers committed %d of %d transactions within %g s (--timeout)"
+                           % (sum(p.committed for p in producers), settings.transactions, timeout))
+    return late
 
 
 def _client_config(cluster, settings):
@@ -345,15 +355,33 @@ def _restart_everything(cluster, servers):
 
 
 def _check_replicas(cluster, settings, report):
-    """Every storage holds identical record bytes for each partition (segment headers hold creation times)."""
+    """Every storage holds identical record bytes for each partition (segment headers hold creation times):
+    the segment files are read in a thread; fires once an anomaly is added for each partition whose replicas
+    differ."""
+    d = threads.deferToThread(_replica_anomalies, cluster, settings)
+    return d.addCallback(report.anomalies.extend)
+
+
+def _replica_anomalies(cluster, settings):
+    """The partitions whose storages do not hold identical record bytes, as anomalies (blocking)."""
+    anomalies = []
     for pid in range(settings.partitions):
-        bodies = {}
-        for storage in cluster.storages:
-            body = b""
-            for path in sorted(glob.glob(os.path.join(storage.config["storage.directory"], str(pid), "*.seg"))):
-                with open(path, "rb") as stream:
-                    body += stream.read()[FILE_HEADER_SIZE:]
-            bodies[cluster.storage_name(storage)] = body
-        if len(set(bodies.values())) != 1:
-            sizes = {name: len(body) for name, body in bodies.items()}
-            report.anomalies.append("partition %d: replicas differ (record bytes %s)" % (pid, sizes))
+        replicas = {cluster.storage_name(storage): _record_bytes(storage.config["storage.directory"], pid)
+                    for storage in cluster.storages}
+        if len({digest for _, digest in replicas.values()}) != 1:
+            sizes = {name: size for name, (size, _) in replicas.items()}
+            anomalies.append("partition %d: replicas differ (record bytes %s)" % (pid, sizes))
+    return anomalies
+
+
+def _record_bytes(directory, partition_id, chunk_size=1 << 20):
+    """``(size, SHA-256 hex digest)`` of a partition's record bytes in a storage directory: its segment files
+    in order, each without its header (blocking)."""
+    digest, size = hashlib.sha256(), 0
+    for path in sorted(glob.glob(os.path.join(directory, str(partition_id), "*.seg"))):
+        with open(path, "rb") as stream:
+            stream.seek(FILE_HEADER_SIZE)
+            for chunk in iter(lambda: stream.read(chunk_size), b""):
+                digest.update(chunk)
+                size += len(chunk)
+    return size, digest.hexdigest()

@@ -343,15 +343,20 @@ class ClusterMetadata:
     def delete_cluster(self, force=False):
         """Delete the cluster root and everything under it.
 
-        Refused (:class:`ServersRegisteredError`) while servers are registered, and
-        (:class:`~waltz.zk.errors.ZnodeDecodeError`) when the root does not hold
-        cluster parameters, unless ``force``.
+        Refused (:class:`~waltz.zk.errors.ZnodeDecodeError`) when the root does not
+        hold cluster parameters (it is not a Waltz cluster: ``force`` does not change
+        that), and (:class:`ServersRegisteredError`) while servers are registered,
+        unless ``force``.
         """
         if (yield self.zk.exists(self.paths.root)) is None:
             raise ClusterNotFoundError("no Waltz cluster at %s: znode %s does not exist"
                                        % (self.paths.root, self.paths.root))
-        if not force:
+        try:
             yield self.cluster_params()
+        except ZnodeDecodeError as exc:
+            raise ZnodeDecodeError("refusing to delete %s: it is not a Waltz cluster root (%s)"
+                                   % (self.paths.root, exc)) from None
+        if not force:
             servers = yield self.zk.get_children(self.paths.server_descriptors).addErrback(
                 swallow, NoNodeError, [])
             if servers:
