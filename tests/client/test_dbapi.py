@@ -15,7 +15,7 @@ from twisted.internet import defer
 from tests.client.conftest import Harness
 from waltz.client.api import JsonSerializer, Transaction, TransactionContext
 from waltz.client.dbapi import (
-    AutocommitError, DatabaseBehindError, DbApiClientCallbacks, _params, _sql, autocommits)
+    AutocommitError, CallbacksClosedError, DatabaseBehindError, DbApiClientCallbacks, _params, _sql, autocommits)
 from waltz.protocols import client_messages as m
 from waltz.protocols.values import ReqId
 
@@ -251,3 +251,24 @@ async def test_database_work_runs_in_its_own_thread(tmp_path):
         await callbacks.close()
     assert threads and threading.main_thread().name not in threads
     assert state(path) == (101, 0)
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_apply_after_close_does_not_open_the_database_again(tmp_path):
+    path = str(tmp_path / "bank.db")
+    make_db(path)
+    opened = []
+
+    def connect():
+        opened.append(1)
+        return sqlite3.connect(path)
+    callbacks = Bank(connect)
+    await callbacks.create_table()
+    await callbacks.close()
+    late = Bank(connect, run=sync)           # the same closing, on the caller's thread
+    late.create_table()
+    late.close()
+    failure = late.apply_transaction(transaction(0, 5))
+    assert isinstance(failure.result.value, CallbacksClosedError)
+    failure.addErrback(lambda _: None)
+    assert len(opened) == 2 and state(path) == (100, None)

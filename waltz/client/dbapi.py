@@ -31,7 +31,7 @@ fetched on the reactor first and handed to ``apply_to_database``.
 
 import sqlite3
 
-from twisted.internet import defer
+from twisted.internet import defer, threads
 from twisted.logger import Logger
 
 from waltz.client.api import WaltzClientCallbacks
@@ -68,6 +68,10 @@ def _params(values, paramstyle):
     if paramstyle in _NAMED_STYLES:
         return {"p%d" % k: value for k, value in enumerate(values, 1)}
     return tuple(values)
+
+
+class CallbacksClosedError(RuntimeError):
+    """The callbacks were closed; no database connection is opened any more."""
 
 
 class AutocommitError(RuntimeError):
@@ -119,6 +123,7 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
         check_paramstyle(paramstyle)
         self._connect = connect
         self._connection = None
+        self._closed = False
         self._table = table
         self._paramstyle = paramstyle
         self._worker = None
@@ -152,7 +157,10 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
     # --- in the database thread ------------------------------------------------------------------
 
     def connection(self):
-        """The database connection (database thread only); refused when it autocommits."""
+        """The database connection (database thread only); refused when it autocommits, or once
+        :meth:`close` was called (an apply still queued then must not open a new one)."""
+        if self._closed:
+            raise CallbacksClosedError("the database callbacks are closed (close the Waltz client first)")
         if self._connection is None:
             connection = self._connect()
             if autocommits(connection):
@@ -236,8 +244,10 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
         return self._run(lambda: function(self.connection(), *args))
 
     def close(self):
-        """Close the connection and stop the database thread (blocks until it ends)."""
+        """Close the connection and stop the database thread; fires when both are done. Close the Waltz
+        client first: an apply that comes after this fails (:class:`CallbacksClosedError`)."""
         def close_connection():
+            self._closed = True
             if self._connection is not None:
                 self._connection.close()
                 self._connection = None
@@ -247,6 +257,7 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
         return d
 
     def _stop_worker(self, result):
+        # Joined in a thread of the reactor's pool, not on the reactor: an apply queued behind the close
+        # would hold the reactor until it finished.
         worker, self._worker = self._worker, None
-        worker.stop()
-        return result
+        return threads.deferToThread(worker.stop).addCallback(lambda _: result)
