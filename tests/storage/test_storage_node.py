@@ -311,20 +311,3 @@ async def test_a_record_list_stops_short_of_the_frame_limit(harness):
     listed = (await s.request(sm.RecordListRequest(1, 0, 0, 0, 12))).records
     assert listed == big[:3]                   # 3 x 2 MiB fit in 8 MiB, a fourth would not
     assert (await s.request(sm.RecordListRequest(1, 0, 0, 3, 12))).records == big[3:6]
-
-
-@pytest_twisted.ensureDeferred
-async def test_a_truncation_below_the_local_low_water_mark_lowers_it_first(harness):
-    # Recovery trusts the index up to the local low-water mark without rescanning; records written
-    # again below it after a truncation, and not yet synced, must not be trusted after a crash.
-    await assign(harness, 0)
-    s = await harness.connect()
-    await s.request(sm.AppendRequest(1, 0, 0, records(0, 10), False))
-    await s.request(sm.SetLowWaterMarkRequest(1, 0, 0, 9, False))
-    info = await s.request(sm.LastSessionInfoRequest(1, 0, 0, False))
-    assert info.local_low_water_mark == 9
-    await s.request(sm.TruncateRequest(1, 0, 0, 4, False))
-    info = await s.request(sm.LastSessionInfoRequest(1, 0, 0, False))
-    assert info.local_low_water_mark == 4 and harness.node.control.partition_info(0).local_low_water_mark == 4
-    await s.request(sm.TruncateRequest(1, 0, 0, 7, False))          # above it: nothing to lower
-    assert harness.node.control.partition_info(0).local_low_water_mark == 4

@@ -171,14 +171,7 @@ class StoragePartition:
         return self._reply(message, sm.SuccessResponse)
 
     def _truncate(self, message):
-        target = message.transaction_id
-        if target < self.info.local_low_water_mark:
-            # Recovery trusts the index up to the local low-water mark without rescanning: records
-            # appended again below it after this truncation (not yet synced) must not be trusted after
-            # a crash, so the mark comes down first, durably.
-            self.info = self._control.update_partition_info(self.partition_id,
-                                                            local_low_water_mark=max(target, -1))
-        self.log.truncate(target)
+        self.log.truncate(message.transaction_id)
         return self._reply(message, sm.MaxTransactionIdResponse, self.log.max_transaction_id)
 
     def _append(self, message):
