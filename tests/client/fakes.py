@@ -208,9 +208,16 @@ class FakeServer(Factory):
         if self.batch_errors:
             proto.sendMessage(m.TransactionDataBatchResponse.failure(message.req_id, self.batch_errors.pop(0)))
             return
-        records = self.logs[message.req_id.partition_id].records
-        proto.sendMessage(m.TransactionDataBatchResponse.success(
-            message.req_id, [records[txn] for txn in message.transaction_ids]))
+        records = [self.logs[message.req_id.partition_id].records[txn] for txn in message.transaction_ids]
+        proto.sendMessage(m.TransactionDataBatchResponse.success(message.req_id, self._corrupt_one(records)))
+
+    def _corrupt_one(self, records):
+        """``records`` with the first one ``corrupt`` still names failing its checksum (one per answer)."""
+        for position, record in enumerate(records):
+            if self.corrupt.get(record.transaction_id):
+                self.corrupt[record.transaction_id] -= 1
+                return records[:position] + [attr.evolve(record, checksum=record.checksum ^ 1)] + records[position + 1:]
+        return records
 
 
 # --- network -------------------------------------------------------------------------------------

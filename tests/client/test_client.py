@@ -709,6 +709,71 @@ def test_a_read_asks_again_when_the_server_cannot_read_right_now_and_fails_when_
     assert failures and "no replica" in failures[0].getErrorMessage()
 
 
+def test_bad_checksums_are_counted_per_record_in_a_batched_read(harness):
+    # Each of several records failing once is no reason to give up: the limit is per record.
+    for header in range(8):
+        harness.commit(0, header=header, data=b"d%d" % header)
+    client = harness.client(**{"client.autoMount": False, "client.maxDataFetchRetries": 2})
+    for txn in (1, 3, 5, 7):
+        harness.server_a.corrupt[txn] = 1
+    d = client.read_transactions(0, 0, 7, committed=True)
+    harness.settle()
+    assert [(r.transaction_id, r.data) for r in outcome(d)] == [(i, b"d%d" % i) for i in range(8)]
+    harness.server_a.corrupt[2] = 3                  # one record failing more than the limit still fails it
+    d = client.read_transactions(0, 0, 7, committed=True)
+    harness.settle()
+    failures = []
+    d.addErrback(failures.append)
+    assert failures and "transaction 2: data failed its checksum 3 times" in failures[0].getErrorMessage()
+
+
+def test_a_read_refused_while_its_partition_moves_opens_one_connection_and_closes_it(harness):
+    for header in range(3):
+        harness.commit(0, header=header, data=b"d%d" % header)
+    client = harness.client(**{"client.autoMount": False})
+    harness.server_a.batch_errors = ["partition 0 is not served here"]
+    d = client.read_transactions(0, 0, 2, committed=True)
+    harness.settle()
+    harness.discovery.move(0, None, None)            # unassigned for a moment (a failover)
+    harness.settle(5)                                # the remount looks the partition up, and waits
+    harness.server_b.partitions = {0}
+    harness.discovery.move(0, EP_B, 2)               # the move and the lookup both want a connection
+    harness.settle()
+    assert [r.transaction_id for r in outcome(d)] == [0, 1, 2]
+    harness.settle(1)
+    assert len(harness.server_b.connections) == 2    # the client's stream and RPC: the read's went with it
+    client.close()
+    harness.settle(1)
+    assert harness.server_b.connections == []
+
+
+def test_a_failed_read_stays_failed_and_leaves_no_connection(harness):
+    from waltz.protocols.values import ReqId
+    for txn in range(1500):                          # two batches of data requests
+        harness.logs.commit(0, ReqId(99, 1, 0, txn), 0, b"x")
+    harness.network.flush()
+    held = []
+    harness.server_a.on_TransactionDataBatchRequest = lambda proto, message: held.append((proto, message))
+    client = harness.client(**{"client.autoMount": False, "client.mountRetryInterval": 1000})
+    d = client.read_transactions(0, 0, 1499, committed=True)
+    failures = []
+    d.addErrback(failures.append)
+    harness.settle()
+    (first, first_request), (second, second_request) = held
+    first.sendMessage(m.TransactionDataBatchResponse.failure(first_request.req_id,
+                                                             "partition 0 failed (try again later)"))
+    harness.settle()                                 # t=0: asks again at t=1
+    harness.settle(0.4)
+    second.sendMessage(m.TransactionDataBatchResponse.failure(second_request.req_id, "partition 0 is not served here"))
+    harness.settle()                                 # t=0.4: looks the partition up again at t=1.4
+    harness.settle(0.7)                              # t=1.1: the retry timer fired; the remount is still due
+    client.close()
+    harness.settle()
+    assert len(failures) == 1
+    harness.settle(2)                                # the remount must not bring the read back
+    assert harness.server_a.connections == [] and len(held) == 2
+
+
 def test_read_transactions_beyond_the_log_fails(harness):
     client = harness.client()
     d = client.read_transactions(0, 5, 9)

@@ -55,7 +55,7 @@ class _DataBatch:
     """Indexes (into the read's records) whose data one batched request asks for."""
 
     indexes = attr.ib()
-    bad_checksums = attr.ib(default=0)
+    bad_checksums = attr.ib(default=0)  # times the first index's record failed its checksum
     refusals = attr.ib(default=0)      # transient failures answered so far (RETRY_LATER_MARK)
 
 
@@ -105,7 +105,8 @@ class FeedRead:
         self._location = None
         self._conn = None
         self._mount_req_id = None
-        self._retry_call = None
+        self._retry_call = None     # asks again after RETRY_LATER
+        self._remount_call = None   # looks the partition up again after NOT_READY / not served
         self._result = defer.Deferred()
 
     def run(self):
@@ -118,13 +119,20 @@ class FeedRead:
 
     # --- connection ------------------------------------------------------------------------------
 
+    @property
+    def ended(self) -> bool:
+        return self.state in (ReadState.DONE, ReadState.FAILED)
+
     def _connect(self):
+        self._remount_call = None
+        if self.ended:
+            return
         self._set_state(ReadState.CONNECTING)
         self._locate().addCallbacks(self._located, self._fail)
 
     def _located(self, location):
-        if self.state is not ReadState.CONNECTING:
-            return
+        if self.state is not ReadState.CONNECTING or self._conn is not None:
+            return      # ended, or relocate() opened a connection while the lookup waited
         self._open(location)
 
     def relocate(self, location):
@@ -143,6 +151,7 @@ class FeedRead:
         self._open(location)
 
     def _open(self, location):
+        self._close_connection()        # one connection per read, ever
         self._location = location
         backoff = Backoff(self._settings.reconnect_initial_interval, self._settings.reconnect_max_interval)
         self._conn = ManagedConnection(location.endpoint, "reader", self, self._connector, self._reactor,
@@ -184,7 +193,8 @@ class FeedRead:
         """NOT_READY: look the partition up again and mount after ``client.mountRetryInterval``."""
         self._close_connection()
         self._set_state(ReadState.CONNECTING)
-        self._retry_call = self._reactor.callLater(self._settings.mount_retry_interval, self._connect)
+        self.cancel_timers()            # the remount sends the waiting batches itself
+        self._remount_call = self._reactor.callLater(self._settings.mount_retry_interval, self._connect)
 
     def _close_connection(self):
         self._requeue_in_flight()
@@ -286,14 +296,15 @@ class FeedRead:
             delay = self._settings.retry_later_delay(batch.refusals)
             log.info("partition {pid}: data request answered {error!r}; asking again in {delay} s",
                      pid=self.partition_id, error=error, delay=delay)
-            if self._retry_call is None:       # (a pending remount sends the batches itself)
+            if self._retry_call is None and self._remount_call is None:   # a remount sends them itself
                 self._retry_call = self._reactor.callLater(delay, self._send_later)
         else:
             self._fail(TransactionDataError("partition %d: %s" % (self.partition_id, error)))
 
     def _send_later(self):
         self._retry_call = None
-        self._send_batches()
+        if not self.ended:
+            self._send_batches()
 
     def _txn_at(self, index):
         kept = self._records[index]
@@ -309,11 +320,13 @@ class FeedRead:
             index = batch.indexes[position]
             self._check_matches(index, record)
             if not record.is_valid():
-                return self._bad_checksum(_DataBatch(batch.indexes[position:], batch.bad_checksums + 1))
+                # Counted per record: the same one failing again is at the head of the batch again.
+                failures = batch.bad_checksums + 1 if position == 0 else 1
+                return self._bad_checksum(_DataBatch(batch.indexes[position:], failures))
             self._records[index] = TransactionRecord(self.partition_id, record.transaction_id, record.header,
                                                      record.req_id, record.data)
         rest = batch.indexes[len(records):]
-        return _DataBatch(rest, batch.bad_checksums) if rest else None
+        return _DataBatch(rest) if rest else None
 
     def _check_matches(self, index, record):
         kept = self._records[index]
@@ -372,9 +385,10 @@ class FeedRead:
         self._result.errback(reason)
 
     def cancel_timers(self):
-        if self._retry_call is not None and self._retry_call.active():
-            self._retry_call.cancel()
-        self._retry_call = None
+        for call in (self._retry_call, self._remount_call):
+            if call is not None and call.active():
+                call.cancel()
+        self._retry_call = self._remount_call = None
 
     def abort(self, error):
         """Stop the read (the client is closing)."""
