@@ -231,9 +231,19 @@ def test_undefined_mount_state_is_a_decode_error():
         L.CLIENT_CODEC.decode(payload("01" + REQ_ID_HEX + "00000007"), 4)
 
 
-def test_only_one_reads_as_true():
-    decoded = A.ADMIN_CODEC.decode(payload("05 0000000000000001 00000000 02"), 0)
-    assert decoded == A.PartitionReadRequest(1, (), False)
+def test_a_bool_is_00_or_01_and_anything_else_is_refused():
+    # A corrupted flag must not be read as one or the other: 02 read as false turned a data response's
+    # "ok" into a failure without an error text, and re-encoded to other bytes.
+    assert A.ADMIN_CODEC.decode(payload("05 0000000000000001 00000000 01"), 0) == A.PartitionReadRequest(1, (), True)
+    assert A.ADMIN_CODEC.decode(payload("05 0000000000000001 00000000 00"), 0) == A.PartitionReadRequest(1, (), False)
+    with pytest.raises(DecodeError, match="byte 0x02"):
+        A.ADMIN_CODEC.decode(payload("05 0000000000000001 00000000 02"), 0)
+    ok = L.CLIENT_CODEC.encode(L.TransactionDataResponse.success(RID, 5, b"x"), 3)
+    flag = 1 + 16 + 8                                # type, ReqId, transaction id: then the ok flag
+    assert ok[flag] == 1
+    corrupted = ok[:flag] + b"\x02" + ok[flag + 1:]
+    with pytest.raises(DecodeError, match="byte 0x02"):  # the compiled decoder defers to the precise error
+        L.CLIENT_CODEC.decode(corrupted, 3)
 
 
 def test_unsupported_version():

@@ -16,7 +16,8 @@ from twisted.test import iosim
 
 from waltz.protocols.base import WaltzProtocol
 from waltz.protocols.errors import DecodeError, UnknownMessageType
-from waltz.protocols.framing import Hello, encode_frame, negotiate
+from waltz.protocols.framing import (
+    HELLO_MAGIC, HELLO_VERSION, MAX_HELLO_SIZE, Hello, encode_frame, encode_frame_header, negotiate)
 from waltz.server.protocol import ServerProtocol
 from waltz.storage.handlers import AdminServerProtocol, StorageServerProtocol
 from waltz.protocols.errors import HandshakeError
@@ -203,6 +204,15 @@ def test_first_frame_must_be_hello():
     proto.dataReceived(frame(b"x"))
     assert transport.disconnecting
     assert proto.received == []
+
+
+def test_an_oversized_hello_closes_the_connection_before_it_is_read():
+    # A 16 MiB Hello of distinct versions cost 330 MB and seconds of CPU to decode: it is refused from
+    # its header, with only the header read.
+    proto = RecordingProtocol()
+    transport = connect(proto)
+    proto.dataReceived(encode_frame_header(HELLO_MAGIC, HELLO_VERSION, MAX_HELLO_SIZE + 1))
+    assert transport.disconnecting and proto.version is None
 
 
 def test_truncated_frame_waits_without_closing():

@@ -35,7 +35,7 @@ from zope.interface import implementer
 
 from waltz.protocols.errors import FrameError, HandshakeError, ProtocolError
 from waltz.protocols.framing import (
-    DEFAULT_MAX_FRAME_SIZE, HEADER, HEADER_SIZE, HELLO_MAGIC, HELLO_VERSION, Hello,
+    DEFAULT_MAX_FRAME_SIZE, HEADER, HEADER_SIZE, HELLO_MAGIC, HELLO_VERSION, MAX_HELLO_SIZE, Hello,
     decode_frame_header, encode_frame_header, negotiate)
 
 def is_deferred(value) -> bool:
@@ -276,6 +276,8 @@ class WaltzProtocol(Protocol):
                 raise FrameError("expected a Hello frame first, got magic %r" % magic)
             if version != HELLO_VERSION:
                 raise FrameError("unsupported Hello version %d" % version)
+            if length > MAX_HELLO_SIZE:
+                raise FrameError("Hello frame of %d bytes, over the limit of %d" % (length, MAX_HELLO_SIZE))
         elif magic == HELLO_MAGIC:
             raise HandshakeError("second Hello received")
         elif magic != self.codec.magic:

@@ -20,7 +20,7 @@ A layout is described to :func:`compile_message` as a *plan*, a list of steps:
 
 * ``("fixed", [(name, fmt), ...])``: consecutive fixed-size fields; ``fmt`` is a
   struct format, ``"iiii"`` for a :class:`~waltz.protocols.values.ReqId`;
-* ``("bool", name)``: one byte, true when it is 1 (written as 1 or 0);
+* ``("bool", name)``: one byte, 1 true and 0 false (anything else refused);
 * ``("bytes", name)``: an i32 length and that many bytes (never null here);
 * ``("ints", name)``: an i32 count and that many i32;
 * ``("values", name, cls, min_size)``: an i32 count and that many ``cls`` values,
@@ -183,7 +183,10 @@ def _emit_bool(k, step, code, namespace):
     enc = ["v_%s = m.%s" % (name, name),
            "if v_%s is None: raise Invalid()" % name,     # null: the generic loop refuses it by name
            "parts.append(b'\\x01' if v_%s else b'\\x00')" % name]
-    return enc, ["f_%s = view[pos] == 1" % name, "pos += 1"]
+    dec = ["f_%s = view[pos]" % name,
+           "if f_%s > 1: raise Invalid()" % name,           # the generic loop names the bad byte
+           "f_%s = f_%s == 1" % (name, name), "pos += 1"]
+    return enc, dec
 
 
 def _emit_bytes(k, step, code, namespace):

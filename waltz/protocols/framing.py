@@ -19,6 +19,9 @@ HEADER_SIZE = HEADER.size  # 7 bytes
 
 HELLO_MAGIC = b"H"
 HELLO_VERSION = 0
+#: The largest Hello accepted: a few versions and a name. Checked before the frame is read, so a peer
+#: cannot make a process buffer and decode megabytes before it has even said hello.
+MAX_HELLO_SIZE = 1024
 
 #: Frames whose payload is larger than this close the connection (configurable per protocol).
 DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024

@@ -154,7 +154,12 @@ class Reader:
         return self._unpack(_I64, what)
 
     def boolean(self, what: str = "bool") -> bool:
-        return self._unpack(_U8, what) == 1
+        """``00`` false, ``01`` true; any other byte is a :class:`DecodeError` (a corrupted flag is
+        caught rather than read as one or the other)."""
+        value = self._unpack(_U8, what)
+        if value > 1:
+            raise DecodeError("bad %s byte 0x%02x (expected 00 or 01)" % (what, value))
+        return value == 1
 
     def raw(self, size: int, what: str = "bytes") -> bytes:
         return bytes(self._take(size, what))
