@@ -722,9 +722,7 @@ def test_bad_checksums_are_counted_per_record_in_a_batched_read(harness):
     harness.server_a.corrupt[2] = 3                  # one record failing more than the limit still fails it
     d = client.read_transactions(0, 0, 7, committed=True)
     harness.settle()
-    failures = []
-    d.addErrback(failures.append)
-    assert failures and "transaction 2: data failed its checksum 3 times" in failures[0].getErrorMessage()
+    assert "transaction 2: data failed its checksum 3 times" in outcome(d).getErrorMessage()
 
 
 def test_a_read_refused_while_its_partition_moves_opens_one_connection_and_closes_it(harness):
