@@ -301,3 +301,19 @@ async def test_a_server_cut_off_silently_gives_up_before_the_other_takes_over(cl
     a, b, a_had = await split_with_a_behind(proxy, cluster)
     proxy.silence()
     await takes_over_without_overlap(cluster, a, b, a_had)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_short_loss_of_zookeeper_changes_nothing(cluster, proxy):
+    # A blip (a ZooKeeper restart, a dropped connection) well within the session timeout must not make
+    # the server give its partitions up: it keeps them, at the same generations, and no recovery runs.
+    a, b, a_had = await split_with_a_behind(proxy, cluster)
+    reports_before = len(cluster.reports[a])
+    await proxy.cut()                       # a reset: the loss is noticed at once
+    await until(lambda: not a.cluster.zk.connected, "a to notice the loss")
+    await sleep(SESSION_MS / 1000.0 * 0.4)  # longer than a quarter of the timeout, shorter than 0.8 of it
+    proxy.mend()
+    await until(lambda: a.cluster.zk.connected, "a to reconnect", timeout=10)
+    await sleep(0.5)
+    assert cluster.reports[a][reports_before:] == [], "a gave its partitions up during a short blip"
+    assert a.partitions == a_had

@@ -33,13 +33,15 @@ coordinator hands them to the other servers at new generations. So
 * when the connection is lost it may be the session's end: ZooKeeper expires a
   session T (the session timeout) after it last heard from it, and kazoo notices
   a silent loss (no reset: packets dropped) only when a heartbeat goes
-  unanswered, up to 2/3 T after the last reply. So the server gives up its
-  partitions T/4 after the loss is noticed (``disconnect_timeout``), at most
-  about 0.92 T after the last reply: before ZooKeeper can expire the session and
+  unanswered, up to 2/3 T after the last reply. So the server counts from its
+  *last confirmed contact*: it probes ZooKeeper every T/6 (``exists`` of the
+  root) and remembers when the last answered probe was sent (ZooKeeper heard
+  from it then at the latest). Disconnected, it gives its partitions up 0.8 T
+  after that (``give_up_after``): before ZooKeeper can expire the session and
   the coordinator move them, without waiting to hear of the expiry (the
-  reconnect may hang for a long time). A connection back within that time
-  changes nothing; one back later gets the partitions again from the assignment
-  (the same generations, if the session survived);
+  reconnect may hang for a long time). A blip shorter than that (a ZooKeeper
+  restart) changes nothing; a connection back later gets the partitions again
+  from the assignment (the same generations, if the session survived);
 * after every reconnect it reconciles again: kazoo does not re-register watches
   on a new connection (no ``SetWatches``), and changes made while it was away are
   otherwise seen only if its watch recipes notice them. A pass that fails is
@@ -54,13 +56,20 @@ import enum
 import random as random_module
 
 from kazoo.exceptions import BadVersionError, NoNodeError
-from twisted.internet import defer
+from twisted.internet import defer, task
 from twisted.logger import Logger
 
 from waltz.server.assignment import compute_assignment, partitions_of
 from waltz.zk.bridge import SessionState
 from waltz.zk.errors import swallow
 from waltz.zk.znodes import ServerDescriptor
+
+
+#: A disconnected server gives its partitions up this fraction of the session timeout after its last
+#: confirmed contact with ZooKeeper (which expires the session one timeout after it last heard from it).
+GIVE_UP_FRACTION = 0.8
+#: Liveness probes per session timeout.
+PROBES_PER_SESSION_TIMEOUT = 6
 
 
 class MembershipState(enum.Enum):
@@ -83,16 +92,16 @@ class ServerMembership:
     assignment changes, and with ``{}`` when the server must give up its
     partitions because its session expired (or may have: see the module doc).
     ``rng`` shuffles the assignment lists (tests inject one); ``retry_interval``
-    (seconds) spaces retries after ZooKeeper errors; ``disconnect_timeout``
-    (seconds, default: a quarter of the ZooKeeper client's session timeout, see the
-    module doc) is how long after the connection is found lost the server gives up
-    its partitions.
+    (seconds) spaces retries after ZooKeeper errors; ``give_up_after`` (seconds,
+    default: 0.8 of the ZooKeeper client's session timeout, see the module doc) is
+    how long after its last confirmed contact with ZooKeeper a disconnected server
+    gives up its partitions.
     """
 
     log = Logger()
 
     def __init__(self, cluster, host, port, on_assignment, preferred_partitions=(), reactor=None, rng=None,
-                 retry_interval=0.5, disconnect_timeout=None):
+                 retry_interval=0.5, give_up_after=None):
         if reactor is None:
             from twisted.internet import reactor
         self.cluster = cluster
@@ -103,9 +112,13 @@ class ServerMembership:
         self.reactor = reactor
         self.rng = rng or random_module.Random()
         self.retry_interval = retry_interval
-        if disconnect_timeout is None:
-            disconnect_timeout = getattr(cluster.zk, "session_timeout_ms", 30000) / 1000.0 / 4
-        self.disconnect_timeout = disconnect_timeout
+        session_timeout = getattr(cluster.zk, "session_timeout_ms", 30000) / 1000.0
+        self.give_up_after = GIVE_UP_FRACTION * session_timeout if give_up_after is None else give_up_after
+        self.probe_interval = session_timeout / PROBES_PER_SESSION_TIMEOUT
+        self._last_contact = None       # reactor time at which the last answered probe was sent
+        self._probing = False
+        self._prober = task.LoopingCall(self._probe)
+        self._prober.clock = reactor
         self.state = MembershipState.NEW
         self.server_id = None
         self.num_partitions = None
@@ -166,9 +179,12 @@ class ServerMembership:
             return self
         self.cluster.zk.add_state_listener(self._session_changed)
         self._listening = True
+        sent = self.reactor.seconds()
         yield self._register()
         if self.stopped:
             return self
+        self._contact(sent)
+        self._prober.start(self.probe_interval, now=False)
         self._enter(MembershipState.MEMBER)
         path = self.cluster.paths.server_descriptors
         for watch in (self.cluster.zk.watch_children(path, self._membership_changed),
@@ -204,6 +220,8 @@ class ServerMembership:
         if self._retry_call is not None and self._retry_call.active():
             self._retry_call.cancel()
         self._cancel_disconnected_call()
+        if self._prober.running:
+            self._prober.stop()
         if self._listening:
             self._listening = False
             self.cluster.zk.remove_state_listener(self._session_changed)
@@ -225,9 +243,14 @@ class ServerMembership:
             return
         if state == SessionState.SUSPENDED:
             if self._disconnected_call is None:
-                self._disconnected_call = self.reactor.callLater(self.disconnect_timeout, self._disconnected_too_long)
+                now = self.reactor.seconds()
+                last = self._last_contact if self._last_contact is not None else now
+                self._disconnected_call = self.reactor.callLater(max(0.0, last + self.give_up_after - now),
+                                                                 self._disconnected_too_long)
             return
         self._cancel_disconnected_call()
+        if state == SessionState.CONNECTED:
+            self._contact(self.reactor.seconds())
         if state == SessionState.EXPIRED:
             self.znode = None
             self._enter(MembershipState.REJOINING)
@@ -248,8 +271,26 @@ class ServerMembership:
         self._disconnected_call = None
         if self.cluster.zk.connected:
             return
-        self._give_up_partitions("ZooKeeper has been unreachable for %.1f s: the session may have expired and "
-                                 "the partitions moved" % self.disconnect_timeout)
+        self._give_up_partitions("no contact with ZooKeeper for %.1f s: the session may have expired and the "
+                                 "partitions moved" % (self.reactor.seconds() - self._last_contact))
+
+    def _probe(self):
+        """Ask ZooKeeper something cheap; an answer proves it heard from this session when it was sent."""
+        if self._probing or not self.cluster.zk.connected:
+            return
+        self._probing = True
+        sent = self.reactor.seconds()
+        d = self.cluster.zk.exists(self.cluster.paths.root)
+        d.addCallbacks(lambda _: self._contact(sent), lambda _: None)   # no answer: no contact, nothing else
+        d.addBoth(self._probed)
+
+    def _probed(self, _):
+        self._probing = False
+
+    def _contact(self, sent):
+        """ZooKeeper heard from this session at ``sent`` (reactor seconds) at the latest."""
+        if self._last_contact is None or sent > self._last_contact:
+            self._last_contact = sent
 
     def _give_up_partitions(self, why):
         """Stop holding any partition until a current assignment gives some back (``on_assignment({})``)."""
