@@ -16,7 +16,12 @@ import yaml
 
 
 class ConfigError(Exception):
-    """A configuration is invalid; the message names the key."""
+    """A configuration is invalid; the message names the key, and :attr:`key` is it (None when the
+    problem is the file or the whole mapping)."""
+
+    def __init__(self, message, key=None):
+        super().__init__(message)
+        self.key = key
 
 
 REQUIRED = object()
@@ -130,7 +135,7 @@ class Key:
         try:
             return parse(raw)
         except (ValueError, TypeError) as exc:
-            raise ConfigError("config key '%s': %s (got %r)" % (self.name, exc, raw)) from None
+            raise ConfigError("config key '%s': %s (got %r)" % (self.name, exc, raw), self.name) from None
 
 
 @attr.s(frozen=True, slots=True)
@@ -159,10 +164,11 @@ def flatten(mapping, prefix=""):
             nested = flatten(value, name + ".")
             duplicate = flat.keys() & nested.keys()
             if duplicate:
-                raise ConfigError("config key '%s' is given twice" % sorted(duplicate)[0])
+                name = sorted(duplicate)[0]
+                raise ConfigError("config key '%s' is given twice" % name, name)
             flat.update(nested)
         elif name in flat:
-            raise ConfigError("config key '%s' is given twice" % name)
+            raise ConfigError("config key '%s' is given twice" % name, name)
         else:
             flat[name] = value
     return flat
@@ -196,14 +202,14 @@ def build_config(raw, keys, open_prefixes=()):
     table = {key.name: key for key in keys}
     for name in sorted(flat):
         if name not in table and not name.startswith(tuple(open_prefixes)):
-            raise ConfigError("config key '%s' is not a known key" % name)
+            raise ConfigError("config key '%s' is not a known key" % name, name)
     values = {}
     for key in keys:
         if key.name in flat and flat[key.name] is not None:
             values[key.name] = key.convert(flat[key.name])
         elif key.default is REQUIRED:
             raise ConfigError("config key '%s' is required%s" % (
-                key.name, ": " + key.doc if key.doc else ""))
+                key.name, ": " + key.doc if key.doc else ""), key.name)
         else:
             values[key.name] = key.default
     values.update({k: v for k, v in flat.items() if k not in table})
@@ -223,7 +229,8 @@ def check_distinct_ports(config, names):
         if value is None:
             continue
         if value in seen:
-            raise ConfigError("config key '%s': port %d is already used by '%s'" % (name, value, seen[value]))
+            raise ConfigError("config key '%s': port %d is already used by '%s'" % (name, value, seen[value]),
+                              name)
         seen[value] = name
 
 

@@ -8,6 +8,7 @@ import os
 from kazoo.exceptions import KazooException
 
 from waltz.client.errors import WaltzClientError
+from waltz import config
 from waltz.config import ConfigError
 from waltz.local.daemons import DaemonError
 from waltz.local.zookeeper import ZooKeeperLaunchError
@@ -25,34 +26,23 @@ class CliError(Exception):
 # --- argparse option types ----------------------------------------------------------------------
 
 
-def int_at_least(minimum, what):
-    """An argparse type: an integer >= ``minimum``; ``what`` names the kind in the error."""
+def argument_type(validate, expected):
+    """An argparse type made of a :mod:`waltz.config` validator: what it refuses is reported as
+    "expected <expected>, got <text>" (the config files and the command line accept the same values)."""
     def parse(text):
         try:
-            value = int(text)
+            return validate(text)
         except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError("expected a %s integer, got %r" % (what, text))
-        return value
+            raise argparse.ArgumentTypeError("expected %s, got %r" % (expected, text)) from None
     return parse
 
 
 #: An argparse type: an integer >= 1 (counts).
-positive_int = int_at_least(1, "positive")
+positive_int = argument_type(config.positive_int, "a positive integer")
 #: An argparse type: an integer >= 0 (ids, offsets).
-non_negative_int = int_at_least(0, "non-negative")
-
-
-def port(text):
-    """An argparse type: a TCP port number 1-65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError("expected a port number 1-65535, got %r" % text)
-    return value
+non_negative_int = argument_type(config.non_negative_int, "a non-negative integer")
+#: An argparse type: a TCP port number.
+port = argument_type(config.port, "a port number 1-65535")
 
 
 def positive_seconds(text):

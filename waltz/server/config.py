@@ -101,11 +101,13 @@ def check_server_config(config):
     if config["server.minFetchSize"] >= config["server.realtimeThreshold"]:
         raise ConfigError("config key 'server.minFetchSize': %d must be smaller than "
                           "'server.realtimeThreshold' (%d)"
-                          % (config["server.minFetchSize"], config["server.realtimeThreshold"]))
+                          % (config["server.minFetchSize"], config["server.realtimeThreshold"]),
+                          "server.minFetchSize")
     if config["storage.initialRetryInterval"] > config["storage.maxRetryInterval"]:
         raise ConfigError("config key 'storage.initialRetryInterval': %d ms is above "
                           "'storage.maxRetryInterval' (%d ms)"
-                          % (config["storage.initialRetryInterval"], config["storage.maxRetryInterval"]))
+                          % (config["storage.initialRetryInterval"], config["storage.maxRetryInterval"]),
+                          "storage.initialRetryInterval")
     return config
 
 

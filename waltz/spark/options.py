@@ -14,7 +14,6 @@ docs/spark.md for what the ids mean (both ends are inclusive).
 """
 
 import json
-import re
 from collections.abc import Mapping
 
 import attr
@@ -93,8 +92,7 @@ def parse_options(options: Mapping) -> ReadOptions:
     try:
         client_config(parsed.client_config())
     except ConfigError as exc:
-        named = re.search(r"config key '([^']+)'", str(exc))      # ConfigError messages name the key so
-        key = named.group(1) if named else "client config"
+        key = exc.key or "client config"
         raise OptionError("zookeeper" if key == "zookeeper.connectString" else key, str(exc)) from None
     return parsed
 
