@@ -84,6 +84,13 @@ class InvalidPartitions(ValueError):
     """Preferred partition ids outside ``0 .. numPartitions - 1``."""
 
 
+def check_partitions(partition_ids, num_partitions):
+    """Raise :class:`InvalidPartitions` naming the ids of ``partition_ids`` outside the cluster's partitions."""
+    bad = sorted(p for p in partition_ids if not 0 <= p < num_partitions)
+    if bad:
+        raise InvalidPartitions("partition ids %s are not in 0..%d" % (bad, num_partitions - 1))
+
+
 class ServerMembership:
     """One server's membership in the cluster of ``cluster`` (a :class:`ClusterMetadata`).
 
@@ -454,9 +461,7 @@ class ServerMembership:
     # --- preferred partitions -----------------------------------------------------------------------
 
     def _check_partitions(self, partition_ids):
-        bad = sorted(p for p in partition_ids if not 0 <= p < self.num_partitions)
-        if bad:
-            raise InvalidPartitions("partition ids %s are not in 0..%d" % (bad, self.num_partitions - 1))
+        check_partitions(partition_ids, self.num_partitions)
 
     def add_preferred_partitions(self, partition_ids):
         """Prefer these partitions too; fires with ``True`` once the descriptor says so."""

@@ -37,7 +37,7 @@ from waltz.http import health_site
 from waltz.metrics import Registry
 from waltz.server.caches import FeedCache, TransactionDataCache
 from waltz.server.config import partition_settings
-from waltz.server.membership import InvalidPartitions, MembershipState, ServerMembership
+from waltz.server.membership import InvalidPartitions, MembershipState, ServerMembership, check_partitions
 from waltz.server.partition import PartitionMetrics, ServerPartition
 from waltz.server.protocol import ServerFactory
 from waltz.server.store.metrics import StoreMetrics
@@ -345,10 +345,7 @@ class WaltzServerService(AsyncStartService):
                                            reactor=self.reactor, rng=self.rng)
         self.partitions.info = ServerInfo(self.membership, self.store, self.partitions, self.reactor)
         self._listen()
-        try:
-            yield self.membership.start()
-        except InvalidPartitions as exc:
-            raise ConfigError("config key 'server.preferredPartitions': %s" % exc) from None
+        yield self.membership.start()
         self.log.info("Waltz server {id} started: clients on {host}:{port}", id=self.server_id,
                       host=config["server.host"], port=config["server.port"])
 
@@ -359,11 +356,11 @@ class WaltzServerService(AsyncStartService):
         if params.num_partitions != store.num_partitions:
             raise ClusterMismatch("inconsistent number of partitions: %s says %d, %s says %d" % (
                 self.cluster.paths.root, params.num_partitions, self.cluster.paths.store, store.num_partitions))
-        # Before anything is bound: a bad config fails the start naming the key.
-        outside = [p for p in self.config["server.preferredPartitions"] if p >= params.num_partitions]
-        if outside:
-            raise ConfigError("config key 'server.preferredPartitions': partition ids %s are not in 0..%d"
-                              % (outside, params.num_partitions - 1))
+        try:   # before anything is bound: a bad config fails the start naming the key
+            check_partitions(self.config["server.preferredPartitions"], params.num_partitions)
+        except InvalidPartitions as exc:
+            raise ConfigError("config key 'server.preferredPartitions': %s" % exc, "server.preferredPartitions") \
+                from None
 
     def _listen(self):
         config, bind = self.config, self.config["server.bindAddress"]
