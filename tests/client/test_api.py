@@ -101,3 +101,13 @@ def test_the_builder_refuses_data_over_the_transaction_limit():
     builder.set_transaction_data(b"x" * (MAX_TRANSACTION_DATA_SIZE + 1))
     with pytest.raises(ValueError, match="over the limit of 15728640 bytes"):
         builder.build_request()
+
+
+@pytest.mark.parametrize("setter", ["set_write_locks", "set_read_locks", "set_append_locks"])
+def test_the_builder_refuses_locks_over_the_limit(setter):
+    from waltz.protocols.locks import MAX_LOCKS_PER_KIND
+    builder = TransactionBuilder(ReqId(1, 1, 0, 1), -1)
+    getattr(builder, setter)([("k", i) for i in range(MAX_LOCKS_PER_KIND)])
+    with pytest.raises(ValueError, match="%d %s locks are over the limit of %d per transaction"
+                       % (MAX_LOCKS_PER_KIND + 1, setter.split("_")[1], MAX_LOCKS_PER_KIND)):
+        getattr(builder, setter)([("k", i) for i in range(MAX_LOCKS_PER_KIND + 1)])

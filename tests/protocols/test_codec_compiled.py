@@ -43,7 +43,7 @@ def random_value(rng, wire_type):
         return rng.random() < 0.5
     if wire_type is BYTES:
         return rng.randbytes(rng.choice([0, 1, 100, 1000]))
-    if wire_type is INT_LIST:
+    if wire_type in (INT_LIST, L.LOCK_LIST):
         return tuple(rng.randint(-2 ** 31, 2 ** 31 - 1) for _ in range(rng.choice([0, 1, 3])))
     if isinstance(wire_type, ListOf):
         records = [Record.create(rng.randint(0, 2 ** 40), RID, rng.randint(-5, 5), rng.randbytes(rng.randint(0, 50)))
@@ -181,3 +181,27 @@ def test_long_int_lists_round_trip_past_the_cached_structs():
     payload = L.CLIENT_CODEC.encode(message, 4)
     assert payload == generic(L.CLIENT_CODEC).encode(message, 4)
     assert L.CLIENT_CODEC.decode(payload, 4) == message
+
+
+@pytest.mark.parametrize("field", ["write_locks", "read_locks", "append_locks"])
+def test_a_lock_list_over_the_limit_is_refused_before_it_is_read(field):
+    from waltz.protocols.locks import MAX_LOCKS_PER_KIND
+    at_limit = L.AppendRequest.create(RID, 10, 0, b"d", **{field: tuple(range(MAX_LOCKS_PER_KIND))})
+    assert L.CLIENT_CODEC.decode(L.CLIENT_CODEC.encode(at_limit, 4), 4) == at_limit
+    over = attr.evolve(at_limit, **{field: tuple(range(MAX_LOCKS_PER_KIND + 1))})
+    payload = generic(L.CLIENT_CODEC).encode(over, 4)
+    for codec in (L.CLIENT_CODEC, generic(L.CLIENT_CODEC)):
+        with pytest.raises(DecodeError, match="count %d is over the limit of %d"
+                           % (MAX_LOCKS_PER_KIND + 1, MAX_LOCKS_PER_KIND)):
+            codec.decode(payload, 4)
+    # The count alone decides: a frame that only claims a huge list is refused without its items.
+    claim = bytearray(L.CLIENT_CODEC.encode(attr.evolve(at_limit, **{field: ()}), 4))
+    with pytest.raises(DecodeError, match="over the limit"):
+        L.CLIENT_CODEC.decode(_with_count(claim, field, 2 ** 30), 4)
+
+
+def _with_count(payload, field, count):
+    """``payload`` (an AppendRequest with empty lock lists) with ``field``'s count replaced."""
+    offset = 1 + 16 + 8 + 4 * ["write_locks", "read_locks", "append_locks"].index(field)
+    payload[offset:offset + 4] = count.to_bytes(4, "big")
+    return bytes(payload)

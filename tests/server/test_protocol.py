@@ -245,6 +245,22 @@ def test_an_append_over_the_data_limit_closes_only_that_connection():
     assert transport.disconnecting and cluster.store.pending == []
 
 
+def test_an_append_over_the_lock_limit_closes_only_that_connection():
+    from waltz.protocols.locks import MAX_LOCKS_PER_KIND
+    cluster = Cluster()
+    proto, transport = server_over_string_transport(cluster)
+    other, other_transport = server_over_string_transport(cluster)
+    other.dataReceived(frame(cm.MountRequest(rid(0, client=2), -1, 1)))
+    cluster.clock.advance(0)
+    # The encoder does not refuse it (the builder does): this is what a peer could send.
+    proto.dataReceived(frame(cm.AppendRequest.create(rid(1), -1, 0, b"x",
+                                                     write_locks=range(MAX_LOCKS_PER_KIND + 1))))
+    assert transport.disconnecting and cluster.store.pending == []
+    other.dataReceived(frame(cm.AppendRequest.create(rid(1, client=2), -1, 0, b"fine",
+                                                     write_locks=range(MAX_LOCKS_PER_KIND))))
+    assert len(cluster.store.pending) == 1 and not other_transport.disconnecting
+
+
 def test_appends_over_the_cap_pause_reading_until_the_store_catches_up():
     cluster = Cluster(settings=PartitionSettings(max_pending_appends=2))
     proto, transport = server_over_string_transport(cluster)

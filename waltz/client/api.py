@@ -20,7 +20,7 @@ from zope.interface import Interface, implementer
 
 from waltz.protocols.client_messages import AppendRequest
 from waltz.protocols.framing import MAX_TRANSACTION_DATA_SIZE
-from waltz.protocols.locks import lock_hash
+from waltz.protocols.locks import MAX_LOCKS_PER_KIND, lock_hash
 from waltz.protocols.values import ReqId
 
 
@@ -52,6 +52,15 @@ def lock_hashes(locks) -> tuple:
             name, lock_id = lock
             hashes.append(lock_hash(name, lock_id))
     return tuple(hashes)
+
+
+def _lock_list(locks, kind: str) -> tuple:
+    """:func:`lock_hashes` of one kind of a transaction's locks; :class:`ValueError` over the limit."""
+    hashes = lock_hashes(locks)
+    if len(hashes) > MAX_LOCKS_PER_KIND:
+        raise ValueError("%d %s locks are over the limit of %d per transaction"
+                         % (len(hashes), kind, MAX_LOCKS_PER_KIND))
+    return hashes
 
 
 # --- serializers -------------------------------------------------------------------------------
@@ -128,15 +137,15 @@ class TransactionBuilder:
     def set_write_locks(self, locks):
         """Locks this transaction updates: it fails if another transaction wrote them after the
         client's high-water mark; once committed it makes later readers and writers fail."""
-        self.write_locks = lock_hashes(locks)
+        self.write_locks = _lock_list(locks, "write")
 
     def set_read_locks(self, locks):
         """Locks this transaction depends on: checked like write locks, but never updated."""
-        self.read_locks = lock_hashes(locks)
+        self.read_locks = _lock_list(locks, "read")
 
     def set_append_locks(self, locks):
         """Locks this transaction updates without being checked (e.g. deposits)."""
-        self.append_locks = lock_hashes(locks)
+        self.append_locks = _lock_list(locks, "append")
 
     def build_request(self) -> AppendRequest:
         """The append request (data defaults to empty bytes); :class:`ValueError` when the data is

@@ -24,11 +24,16 @@ import attr
 
 from waltz.protocols.codec import (
     BOOL, BYTES, I32, I64, INT_LIST, OPT_STRING, RECORD, REQ_ID, STRING, EnumOf, ListOf, MessageCodec,
-    PairOf, wire)
+    PairOf, bounded_int_list, wire)
+from waltz.protocols.locks import MAX_LOCKS_PER_KIND
 from waltz.protocols.values import ReqId, checksum
 
 #: Protocol versions of family ``L`` this implementation speaks (the original's V3 and V4 layouts).
 VERSIONS = (3, 4, 5)
+
+
+#: An ``AppendRequest``'s lock hashes: at most MAX_LOCKS_PER_KIND of each kind.
+LOCK_LIST = bounded_int_list(MAX_LOCKS_PER_KIND)
 
 
 class MountState(enum.IntEnum):
@@ -76,9 +81,9 @@ class AppendRequest(ClientMessage):
 
     TYPE = 2
     client_hwm: int = wire(I64)
-    write_locks: tuple = wire(INT_LIST)
-    read_locks: tuple = wire(INT_LIST)
-    append_locks: tuple = wire(INT_LIST)
+    write_locks: tuple = wire(LOCK_LIST)
+    read_locks: tuple = wire(LOCK_LIST)
+    append_locks: tuple = wire(LOCK_LIST)
     header: int = wire(I32)
     data: bytes = wire(BYTES)
     checksum: int = wire(I32, checksum_of="data")

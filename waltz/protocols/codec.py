@@ -56,6 +56,8 @@ class Scalar:
     reader: object  # unbound Reader method
     nullable: bool = True
     converter: object = _identity
+    #: For ``int[]``: the most items a decoder accepts (None: as many as the frame holds).
+    max_count: object = None
 
     def write(self, w: Writer, value):
         if value is None and not self.nullable:
@@ -90,6 +92,15 @@ BOOL = Scalar("bool", 1, Writer.boolean, Reader.boolean, nullable=False, convert
 UUID = Scalar("UUID", 16, Writer.uuid, Reader.uuid, nullable=False, converter=_to_uuid)
 INT_LIST = Scalar("int[]", 4, Writer.int_array, Reader.int_array, nullable=False,
                   converter=_to_int_tuple)
+
+
+def bounded_int_list(max_count: int) -> Scalar:
+    """``int[]`` whose decoders refuse a count above ``max_count`` before reading an item: for lists
+    the receiver works through item by item (lock hashes), where a frame full of items would cost
+    far more than its bytes."""
+    def read(r: Reader, what: str) -> tuple:
+        return r.int_array(what, max_count)
+    return attr.evolve(INT_LIST, reader=read, max_count=max_count)
 #: Non-null byte array (transaction data).
 BYTES = Scalar("byte[]", 4, Writer.byte_array, Reader.byte_array, nullable=False, converter=_to_bytes)
 #: Non-null UTF-8 string.
@@ -354,8 +365,8 @@ def _plan_step(field):
         return ("bool", field.name)
     if wire_type is BYTES:
         return ("bytes", field.name)
-    if wire_type is INT_LIST:
-        return ("ints", field.name)
+    if isinstance(wire_type, Scalar) and wire_type.writer is Writer.int_array:
+        return ("ints", field.name, wire_type.max_count)
     if isinstance(wire_type, ListOf) and type(wire_type.item) in (Value, _RecordValue):
         return ("values", field.name, wire_type.item.cls, wire_type.item.min_size)
     return None

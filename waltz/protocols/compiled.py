@@ -22,7 +22,7 @@ A layout is described to :func:`compile_message` as a *plan*, a list of steps:
   struct format, ``"iiii"`` for a :class:`~waltz.protocols.values.ReqId`;
 * ``("bool", name)``: one byte, 1 true and 0 false (anything else refused);
 * ``("bytes", name)``: an i32 length and that many bytes (never null here);
-* ``("ints", name)``: an i32 count and that many i32;
+* ``("ints", name, max_count)``: an i32 count (at most ``max_count`` unless None) and that many i32;
 * ``("values", name, cls, min_size)``: an i32 count and that many ``cls`` values,
   each with its own ``encode(writer)`` / ``decode(reader)``.
 
@@ -197,9 +197,12 @@ def _emit_bytes(k, step, code, namespace):
 
 
 def _emit_ints(k, step, code, namespace):
-    name = step[1]
+    name, max_count = step[1], step[2]
     enc = _write_count(name) + ["parts.append(ints_struct(len(v_%s)).pack(*v_%s))" % (name, name)]
-    dec = _read_count(4) + ["f_%s = ints_struct(n).unpack_from(view, pos)" % name, "pos += 4 * n"]
+    dec = _read_count(4)
+    if max_count is not None:
+        dec.append("if n > %d: raise Invalid()" % max_count)     # the generic loop names the limit
+    dec += ["f_%s = ints_struct(n).unpack_from(view, pos)" % name, "pos += 4 * n"]
     return enc, dec
 
 

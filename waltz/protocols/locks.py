@@ -19,6 +19,12 @@ from waltz.protocols.values import checksum
 
 _LOCK_ID = struct.Struct(">q")
 
+#: The most locks of each kind (write, read, append) one transaction may carry. The client refuses
+#: to build more, and the server's decoder refuses a list over it (closing that connection) before
+#: reading it: every lock costs the server's append task a slot computation, and a frame full of
+#: them would hold its reactor for seconds. The original had no limit; see ``docs/protocol.md``.
+MAX_LOCKS_PER_KIND = 10_000
+
 
 def lock_hash(name: str, lock_id: int) -> int:
     """The signed 32-bit hash of the lock ``(name, lock_id)``.

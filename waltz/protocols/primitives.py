@@ -188,10 +188,14 @@ class Reader:
         except UnicodeDecodeError as exc:
             raise DecodeError("%s is not valid UTF-8: %s" % (what, exc)) from None
 
-    def int_array(self, what: str = "int[]") -> tuple:
+    def int_array(self, what: str = "int[]", max_count: int = None) -> tuple:
+        """An i32 count and that many i32; a count above ``max_count`` (when given) is refused
+        before any item is read."""
         count = self.i32(what + " count")
         if count < 0:
             raise DecodeError("bad %s count %d" % (what, count))
+        if max_count is not None and count > max_count:
+            raise DecodeError("%s count %d is over the limit of %d" % (what, count, max_count))
         start = self._pos
         self._take(4 * count, what)
         return struct.unpack_from(">%di" % count, self._view, start) if count else ()
