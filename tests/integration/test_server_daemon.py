@@ -6,6 +6,7 @@ ZooKeeper is the session's real server (tests/conftest.py) except in the test th
 every daemon is stopped by its pid when the test ends.
 """
 
+import os
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from waltz.local.cluster import LocalCluster
 from waltz.local.daemons import local_server
 from waltz.local.zookeeper import port_in_use
 from waltz.protocols import client_messages as cm
+from waltz.protocols.base import IDLE_TIMEOUT, KEEPALIVE_INTERVAL
 from tests.protocols.recording import RecordingClient
 from waltz.protocols.values import ReqId
 
@@ -204,6 +206,42 @@ async def test_smoke_append_and_server_requests_over_the_client_port(cluster, st
         descriptors = await cluster.metadata.server_descriptors()
         assert [d.preferred_partitions for _, d in descriptors] == [(1,)]
     finally:
+        client.transport.loseConnection()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_storage_that_stops_answering_is_disconnected_then_rejoins(cluster, start_server):
+    """A stopped storage process (SIGSTOP: its host hung, or its network cut without a reset) keeps its
+    TCP connections open and says nothing. The server's liveness check closes its connection to it
+    within the idle timeout (TCP alone would not notice for minutes, or ever on an idle connection),
+    and the connection comes back once the storage runs again."""
+    daemon = await start_server(cluster)
+    server_id = await eventually(server_id_of(cluster, daemon), "the server to register")
+    generation = generations(await current_assignment(cluster, {server_id}), server_id)[0]
+    await healthy_with(daemon, PARTITIONS)
+    client = await connect(daemon)
+    stopped = cluster.storages[1]
+    name = cluster.storage_name(stopped)
+    sequence = iter(range(1, 10 ** 6))
+
+    def connected_is(expected):
+        async def check():
+            client.sendMessage(cm.CheckStorageConnectivityRequest(ReqId(78, generation, 0, next(sequence))))
+            seen = dict((await client.expect(cm.CheckStorageConnectivityResponse)).connectivity)
+            return True if seen.get(name) is expected else Unmet(seen)
+        return check
+
+    try:
+        assert await connected_is(True)()
+        os.kill(stopped.pid, signal.SIGSTOP)
+        stopped_at = reactor.seconds()
+        await eventually(connected_is(False), "the server to drop the stopped storage",
+                         timeout=IDLE_TIMEOUT + 2 * KEEPALIVE_INTERVAL + 20)
+        assert reactor.seconds() - stopped_at >= IDLE_TIMEOUT - KEEPALIVE_INTERVAL
+        os.kill(stopped.pid, signal.SIGCONT)
+        await eventually(connected_is(True), "the server to reconnect to the storage", timeout=60)
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
         client.transport.loseConnection()
 
 

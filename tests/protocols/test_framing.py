@@ -14,7 +14,7 @@ from twisted.internet.testing import StringTransport
 from twisted.logger import globalLogPublisher
 from twisted.test import iosim
 
-from waltz.protocols.base import WaltzProtocol
+from waltz.protocols.base import Liveness, WaltzProtocol
 from waltz.protocols.errors import DecodeError, UnknownMessageType
 from waltz.protocols.framing import (
     HELLO_MAGIC, HELLO_VERSION, MAX_HELLO_SIZE, Hello, encode_frame, encode_frame_header, negotiate)
@@ -155,22 +155,71 @@ def test_keepalive_frames_are_ignored_and_not_delivered():
     assert not transport.disconnecting
 
 
-def test_keepalive_is_sent_after_idle_interval_and_reset_by_writes():
+KEEPALIVE = struct.pack(">chi", b"T", 2, 0)
+
+
+def live(**kwargs):
+    """A handshaken protocol with liveness on a Clock: ticks every 10 s, idle timeout 30 s."""
     proto = RecordingProtocol()
-    proto.keepalive_interval = 10
+    Liveness(Clock(), interval=10, idle_timeout=30, **kwargs).apply(proto)
+    return ready(proto)
+
+
+def test_a_keepalive_is_sent_at_a_tick_with_nothing_written_since_the_last():
+    proto, transport = live()
+    proto.clock.advance(9)
+    proto.sendMessage(b"m")
+    transport.clear()
+    proto.clock.advance(1)              # tick: a message was written since the last one
+    assert transport.value() == b""
+    proto.clock.advance(10)             # tick: nothing written since
+    assert transport.value() == KEEPALIVE
+    transport.clear()
+    proto.dataReceived(frame(b"x"))     # (keeps the connection alive)
+    proto.clock.advance(10)
+    assert transport.value() == KEEPALIVE
+    proto.connectionLost(None)
+    assert proto.clock.getDelayedCalls() == []
+
+
+def test_a_connection_on_which_nothing_arrives_is_closed_after_the_idle_timeout(logged):
+    proto, transport = live()
+    for _ in range(5):                  # a peer that only sends keep-alives is alive
+        proto.clock.advance(10)
+        proto.dataReceived(KEEPALIVE)
+    # The last keep-alive came at 50 s; the tick at 60 s saw it, the one at 90 s closes. (Clock.advance
+    # runs every call due by its end at its end time: step like a reactor, one tick at a time.)
+    proto.clock.pump([10, 10, 10])
+    assert not transport.disconnecting
+    proto.clock.advance(10)
+    assert transport.disconnecting
+    assert any("nothing received for 30 s" in r for r in reasons(logged))
+    assert proto.clock.getDelayedCalls() == []
+
+
+def test_silence_while_reading_is_paused_here_does_not_count():
+    held = []
+    proto = RecordingProtocol(results=lambda m: held.append(defer.Deferred()) or held[-1])
+    proto.inbound_high_watermark, proto.inbound_low_watermark = 1, 0
+    Liveness(Clock(), interval=10, idle_timeout=30).apply(proto)
+    proto, transport = ready(proto)
+    proto.dataReceived(frame(b"slow"))  # reading pauses until the handler finishes
+    assert proto.reading_paused
+    proto.clock.pump([10] * 10)
+    assert not transport.disconnecting
+    held[0].callback(None)              # reading resumes: silence counts from the last paused tick (100 s)
+    proto.clock.pump([10, 10])
+    assert not transport.disconnecting
+    proto.clock.advance(10)
+    assert transport.disconnecting
+
+
+def test_without_liveness_nothing_is_scheduled():
+    proto = RecordingProtocol()
     proto.clock = Clock()
     proto, transport = ready(proto)
-    proto.clock.advance(9)
-    proto.sendMessage(b"m")  # a write resets the idle timer
-    transport.clear()
-    proto.clock.advance(9)
-    assert transport.value() == b""
-    proto.clock.advance(1)
-    assert transport.value() == struct.pack(">chi", b"T", 2, 0)
-    transport.clear()
-    proto.clock.advance(10)
-    assert transport.value() == struct.pack(">chi", b"T", 2, 0)
-    proto.connectionLost(None)
+    proto.clock.advance(3600)
+    assert transport.value() == b"" and not transport.disconnecting
     assert proto.clock.getDelayedCalls() == []
 
 

@@ -24,7 +24,7 @@ from twisted.internet import defer, endpoints
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 
-from waltz.protocols.base import WaltzProtocol
+from waltz.protocols.base import Liveness, WaltzProtocol
 from waltz.protocols.client_messages import CLIENT_CODEC, TransactionDataResponse
 from waltz.protocols.errors import ChecksumError
 from waltz.protocols.primitives import Reader
@@ -113,7 +113,7 @@ class _ProtocolFactory(Factory):
         proto = ClientProtocol()
         proto.factory = self
         proto.owner = self.owner
-        proto.clock = self.clock
+        Liveness(self.clock).apply(proto)
         return proto
 
 

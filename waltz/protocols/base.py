@@ -6,8 +6,10 @@
 * turns Nagle's algorithm off (``TCP_NODELAY``) on TCP transports, as the original does;
 * sends a Hello on connect and picks the highest common version; nothing else
   is sent or accepted before the handshake completes (outgoing messages wait);
-* treats a zero-length frame as a keep-alive and, when ``keepalive_interval``
-  is set, sends one after that many idle seconds without writes;
+* treats a zero-length frame as a keep-alive and, with :class:`Liveness` set,
+  sends one when it has written nothing for a while and closes a connection on
+  which nothing has arrived for ``idle_timeout`` seconds (a peer that vanished
+  without closing: a dead host, a cut network, a stopped process);
 * closes the connection, with a logged reason naming the problem, on a wrong
   magic, an unsupported version, a length over ``max_frame_size``, a payload
   the codec rejects, a second Hello, or an exception in the handler; a
@@ -27,6 +29,7 @@ Subclasses implement :meth:`messageReceived` and may override
 :meth:`connectionReady` (handshake complete) and :meth:`connectionClosed`.
 """
 
+import attr
 from twisted.internet import defer, interfaces
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
@@ -50,6 +53,38 @@ def is_deferred(value) -> bool:
 #: Compact the receive buffer once this many consumed bytes sit at its front.
 _COMPACT_THRESHOLD = 64 * 1024
 
+#: Seconds between a live connection's liveness ticks (see :class:`Liveness`).
+KEEPALIVE_INTERVAL = 5.0
+#: Seconds without receiving anything after which a live connection is closed. A peer that writes
+#: nothing sends a keep-alive within two intervals, so this leaves room for two lost ticks.
+IDLE_TIMEOUT = 20.0
+
+
+@attr.s(frozen=True, slots=True)
+class Liveness:
+    """How a connection notices a peer that is gone without closing (``docs/protocol.md``, "Keep-alives").
+
+    Every ``interval`` seconds a tick sends a keep-alive frame if nothing was written since the
+    previous tick, and closes the connection once nothing has been received for ``idle_timeout``
+    seconds. Time during which this side paused reading (back pressure) does not count: the
+    silence is its own. The daemons and the client library set it on the connections they make
+    and accept; a connection without it never times out (TCP alone notices a vanished peer only
+    when it writes, after about 15 minutes of retransmissions).
+    """
+
+    clock = attr.ib()
+    interval = attr.ib(default=KEEPALIVE_INTERVAL)
+    idle_timeout = attr.ib(default=IDLE_TIMEOUT)
+
+    def settings(self) -> dict:
+        """The protocol attributes this sets (for factories that take attribute settings)."""
+        return {"clock": self.clock, "keepalive_interval": self.interval, "idle_timeout": self.idle_timeout}
+
+    def apply(self, proto):
+        """Set these on protocol ``proto`` (before its connection is made)."""
+        for name, value in self.settings().items():
+            setattr(proto, name, value)
+
 
 @implementer(interfaces.IPushProducer)
 class WaltzProtocol(Protocol):
@@ -67,9 +102,11 @@ class WaltzProtocol(Protocol):
     #: For request/response servers, where every request read makes an answer to buffer: without it a
     #: peer that sends requests and never reads would grow the buffer until the process runs out of memory.
     pause_reading_while_unwritable = False
-    #: Seconds without writes before a keep-alive frame is sent; ``None`` disables.
+    #: Seconds between liveness ticks; ``None`` (the default) disables keep-alives and the idle timeout.
     keepalive_interval = None
-    #: The reactor (or a ``Clock`` in tests) used for keep-alive timers.
+    #: Seconds without receiving anything before the connection is closed (checked at each tick).
+    idle_timeout = None
+    #: The reactor (or a ``Clock`` in tests) used for liveness ticks.
     clock = None
 
     version = None
@@ -81,7 +118,10 @@ class WaltzProtocol(Protocol):
         self._outbox = []
         self._pending_inbound = 0
         self._read_pauses = set()   # why reading is paused: "inbound", "outbound"
-        self._keepalive_call = None
+        self._liveness_call = None
+        self._wrote = False         # since the last liveness tick
+        self._received = False      # since the last liveness tick
+        self._last_heard = None     # clock time of the last tick that found something received
         self.writable = True
 
     # -- connection life cycle -------------------------------------------------
@@ -90,6 +130,7 @@ class WaltzProtocol(Protocol):
         self._set_no_delay()
         self.transport.registerProducer(self, True)
         self.transport.write(Hello(tuple(self.codec.versions), self.hello_name).to_frame())
+        self._start_liveness()
 
     def _set_no_delay(self):
         """Turn Nagle's algorithm off (TCP_NODELAY, as the original sets on every channel).
@@ -110,7 +151,7 @@ class WaltzProtocol(Protocol):
 
     def connectionLost(self, reason):
         self.closed = True
-        self._cancel_keepalive()
+        self._stop_liveness()
         self._outbox = []
         self.connectionClosed(reason)
 
@@ -131,7 +172,7 @@ class WaltzProtocol(Protocol):
             return
         self.closed = True
         self.log.warn("closing connection from {peer}: {reason}", peer=self.peer, reason=reason)
-        self._cancel_keepalive()
+        self._stop_liveness()
         self.transport.loseConnection()
 
     # -- hooks for subclasses ----------------------------------------------------
@@ -163,7 +204,7 @@ class WaltzProtocol(Protocol):
             return
         payload = self.codec.encode(message, self.version)
         self.transport.writeSequence((encode_frame_header(self.codec.magic, self.version, len(payload)), payload))
-        self._schedule_keepalive()
+        self._wrote = True
 
     def sendPayloads(self, payloads):
         """Send messages already encoded by this protocol's codec, in one write (only after the handshake).
@@ -180,26 +221,46 @@ class WaltzProtocol(Protocol):
             parts.append(encode_frame_header(magic, version, len(payload)))
             parts.append(payload)
         self.transport.write(b"".join(parts))
-        self._schedule_keepalive()
+        self._wrote = True
 
     def sendKeepAlive(self):
         """Send a zero-length frame (only once the handshake completed)."""
         if self.ready:
             self.transport.write(encode_frame_header(self.codec.magic, self.version, 0))
-        self._schedule_keepalive()
+            self._wrote = True
 
-    def _schedule_keepalive(self):
+    # -- liveness (see Liveness) ---------------------------------------------------
+
+    def _start_liveness(self):
         if self.keepalive_interval is None or self.closed:
             return
-        if self._keepalive_call is not None and self._keepalive_call.active():
-            self._keepalive_call.reset(self.keepalive_interval)
-        else:
-            self._keepalive_call = self._clock().callLater(self.keepalive_interval, self.sendKeepAlive)
+        clock = self._clock()
+        self._last_heard = clock.seconds()
+        self._liveness_call = clock.callLater(self.keepalive_interval, self._liveness_tick)
 
-    def _cancel_keepalive(self):
-        if self._keepalive_call is not None and self._keepalive_call.active():
-            self._keepalive_call.cancel()
-        self._keepalive_call = None
+    def _liveness_tick(self):
+        # Per message, sending and receiving only set a flag: a timer reset per message would cost a
+        # clock read and a heap operation on paths that run several times per transaction.
+        self._liveness_call = None
+        if self.closed:
+            return
+        clock = self._clock()
+        now = clock.seconds()
+        if self._received or self._read_pauses:
+            self._last_heard = now
+        self._received = False
+        if self.idle_timeout is not None and now - self._last_heard >= self.idle_timeout:
+            self.close("nothing received for %.0f s: the peer is gone or stuck" % (now - self._last_heard))
+            return
+        if not self._wrote and self.writable:
+            self.sendKeepAlive()
+        self._wrote = False
+        self._liveness_call = clock.callLater(self.keepalive_interval, self._liveness_tick)
+
+    def _stop_liveness(self):
+        if self._liveness_call is not None and self._liveness_call.active():
+            self._liveness_call.cancel()
+        self._liveness_call = None
 
     def _clock(self):
         if self.clock is None:
@@ -212,6 +273,7 @@ class WaltzProtocol(Protocol):
     def dataReceived(self, data):
         if self.closed:
             return
+        self._received = True
         self._buffer += data
         self._process_buffer()
 
@@ -298,7 +360,6 @@ class WaltzProtocol(Protocol):
         self.version = negotiate(self.codec.versions, hello.versions)
         self.log.debug("connection from {peer} ({name}) speaks version {version}",
                        peer=self.peer, name=hello.name, version=self.version)
-        self._schedule_keepalive()
         outbox, self._outbox = self._outbox, []
         for message in outbox:
             self.sendMessage(message)

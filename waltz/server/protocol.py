@@ -171,9 +171,10 @@ class ServerFactory(Factory):
     noisy = False
     protocol = ServerProtocol
 
-    def __init__(self, registry, max_frame_size=None):
+    def __init__(self, registry, max_frame_size=None, liveness=None):
         self.registry = registry
         self.max_frame_size = max_frame_size
+        self.liveness = liveness        # a waltz.protocols.base.Liveness, or None
         self.connections = set()
 
     def buildProtocol(self, addr):
@@ -181,6 +182,8 @@ class ServerFactory(Factory):
         proto.factory = self
         if self.max_frame_size is not None:
             proto.max_frame_size = self.max_frame_size
+        if self.liveness is not None:
+            self.liveness.apply(proto)
         return proto
 
     def close_connections(self):

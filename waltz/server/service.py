@@ -35,6 +35,7 @@ from waltz.config import ConfigError
 from waltz.daemon import AsyncStartService
 from waltz.http import health_site
 from waltz.metrics import Registry
+from waltz.protocols.base import Liveness
 from waltz.server.caches import FeedCache, TransactionDataCache
 from waltz.server.config import partition_settings
 from waltz.server.membership import InvalidPartitions, MembershipState, ServerMembership, check_partitions
@@ -364,7 +365,8 @@ class WaltzServerService(AsyncStartService):
 
     def _listen(self):
         config, bind = self.config, self.config["server.bindAddress"]
-        self.client_factory = ServerFactory(self.partitions, max_frame_size=config["server.maxFrameSize"])
+        self.client_factory = ServerFactory(self.partitions, max_frame_size=config["server.maxFrameSize"],
+                                            liveness=Liveness(self.reactor))
         factories = (
             (config["server.port"], self.client_factory),
             (config["server.http.port"], health_site(self.metrics_registry, self.problems)),

@@ -159,14 +159,17 @@ class NodeFactory(Factory):
 
     noisy = False
 
-    def __init__(self, protocol_class, node, max_frame_size=None):
+    def __init__(self, protocol_class, node, max_frame_size=None, liveness=None):
         self.protocol_class = protocol_class
         self.node = node
         self.max_frame_size = max_frame_size
+        self.liveness = liveness        # a waltz.protocols.base.Liveness, or None
 
     def buildProtocol(self, addr):
         proto = self.protocol_class(self.node)
         proto.factory = self
         if self.max_frame_size is not None:
             proto.max_frame_size = self.max_frame_size
+        if self.liveness is not None:
+            self.liveness.apply(proto)
         return proto

@@ -15,6 +15,7 @@ from twisted.python import usage
 from waltz.config import ConfigError
 from waltz.daemon import AsyncStartService
 from waltz.http import health_site
+from waltz.protocols.base import Liveness
 from waltz.storage.config import load_storage_config
 from waltz.storage.handlers import AdminServerProtocol, NodeFactory, StorageServerProtocol
 from waltz.storage.node import StorageNode
@@ -64,10 +65,10 @@ class StorageService(AsyncStartService):
 
     def _listen(self):
         config, bind = self.config, self.config["storage.bindAddress"]
-        max_frame = config["storage.maxFrameSize"]
+        max_frame, liveness = config["storage.maxFrameSize"], Liveness(self.reactor)
         factories = (
-            (config["storage.port"], NodeFactory(StorageServerProtocol, self.node, max_frame)),
-            (config["storage.admin.port"], NodeFactory(AdminServerProtocol, self.node, max_frame)),
+            (config["storage.port"], NodeFactory(StorageServerProtocol, self.node, max_frame, liveness)),
+            (config["storage.admin.port"], NodeFactory(AdminServerProtocol, self.node, max_frame, liveness)),
             (config["storage.http.port"], health_site(self.node.registry, self.problems)),
         )
         for port, factory in factories:

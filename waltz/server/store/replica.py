@@ -15,6 +15,7 @@ from zope.interface import implementer
 
 from waltz.interfaces import IReplicaSession
 from waltz.protocols import storage_messages as sm
+from waltz.protocols.base import Liveness
 from waltz.protocols.rpc import ConnectionClosed, RequestClientFactory, StorageClientProtocol
 
 
@@ -45,7 +46,7 @@ class StorageConnection:
         self.storage = storage
         self.reactor = reactor
         host, _, port = storage.rpartition(":")
-        settings = {"owner": self}
+        settings = {"owner": self, **Liveness(reactor).settings()}
         if max_frame_size:
             settings["max_frame_size"] = max_frame_size
         factory = RequestClientFactory(_PooledStorageProtocol, open_request, **settings)
