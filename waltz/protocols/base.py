@@ -252,10 +252,17 @@ class WaltzProtocol(Protocol):
         if self.idle_timeout is not None and now - self._last_heard >= self.idle_timeout:
             self.close("nothing received for %.0f s: the peer is gone or stuck" % (now - self._last_heard))
             return
+        self.checkLiveness(now)
+        if self.closed:
+            return
         if not self._wrote and self.writable:
             self.sendKeepAlive()
         self._wrote = False
         self._liveness_call = clock.callLater(self.keepalive_interval, self._liveness_tick)
+
+    def checkLiveness(self, now):
+        """Called at every liveness tick of an open connection; subclasses may close it (a peer that is
+        alive but stopped answering)."""
 
     def _stop_liveness(self):
         if self._liveness_call is not None and self._liveness_call.active():

@@ -5,7 +5,11 @@ Both families match a response to its request by ``seq_num``. A
 ``seq_num`` is replaced), keeps a Deferred per outstanding request, and fires it
 with the response message, or fails it with :class:`RemoteError` when the
 storage answered with a failure response, or with :class:`ConnectionClosed`
-when the connection went away first.
+when the connection went away first. With :attr:`RequestClientProtocol.request_timeout`
+(and liveness ticks, see :class:`~waltz.protocols.base.Liveness`), a request left
+unanswered that long closes the connection, failing every request on it: a peer
+that is alive but stuck (a hung disk under its worker) must not hold its callers
+forever.
 
 Every connection starts with an open request (cluster key and partition
 count); :attr:`opened` fires with the protocol once the storage accepted it,
@@ -45,6 +49,9 @@ class RequestClientProtocol(WaltzProtocol):
     hello_name = "Waltz Server"
     failure_type = None
     open_request = None
+    #: Seconds a request may stay unanswered before the connection is closed (checked at liveness
+    #: ticks, so it fires up to one tick interval late); None: requests wait as long as the connection.
+    request_timeout = None
 
     def __init__(self):
         super().__init__()
@@ -53,6 +60,10 @@ class RequestClientProtocol(WaltzProtocol):
         self._waiting_for_open = []
         self.is_open = False
         self.opened = defer.Deferred()
+        # The oldest pending request seen at a liveness tick, and since when: a request's age is
+        # known to a tick's precision without a clock read per request.
+        self._oldest = None
+        self._oldest_since = None
 
     def connectionReady(self):
         self._pending[-1] = d = defer.Deferred()
@@ -89,6 +100,13 @@ class RequestClientProtocol(WaltzProtocol):
     @property
     def outstanding(self) -> int:
         return len(self._pending)
+
+    def checkLiveness(self, now):
+        oldest = next(iter(self._pending), None)    # requests are numbered in order: the first is oldest
+        if oldest is None or oldest != self._oldest:
+            self._oldest, self._oldest_since = oldest, now
+        elif self.request_timeout is not None and now - self._oldest_since >= self.request_timeout:
+            self.close("request %d unanswered for %.0f s: the peer is stuck" % (oldest, now - self._oldest_since))
 
     def messageReceived(self, message):
         d = self._pending.pop(message.seq_num, None)

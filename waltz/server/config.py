@@ -88,6 +88,8 @@ SERVER_KEYS = ZOOKEEPER_KEYS + (
     Key("storage.maxBatchSize", positive_int, 100, "appends per replicated batch"),
     Key("storage.initialRetryInterval", positive_int, 100, "first storage reconnect delay, ms"),
     Key("storage.maxRetryInterval", positive_int, 20000, "longest storage reconnect delay, ms"),
+    Key("storage.requestTimeout", positive_int, 30000,
+        "ms a storage request may stay unanswered before its connection is closed and reopened"),
     Key("storage.checkpointInterval", positive_int, 250000,
         "transactions after which a store session is closed and a new one recovered"),
 )

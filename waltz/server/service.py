@@ -337,6 +337,7 @@ class WaltzServerService(AsyncStartService):
                            checkpoint_interval=config["storage.checkpointInterval"],
                            initial_retry=config["storage.initialRetryInterval"] / 1000.0,
                            max_retry=config["storage.maxRetryInterval"] / 1000.0,
+                           request_timeout=config["storage.requestTimeout"] / 1000.0,
                            metrics=StoreMetrics(self.metrics_registry))
         yield self.store.start()
         self.partitions = ServerPartitions(self.store, self.partition_factory, self.metrics, reactor=self.reactor,

@@ -349,6 +349,57 @@ def test_joins_admitted_one_after_the_other_get_every_batch_after_they_join():
     assert all([r.transaction_id for r in replica.log] == [0, 1, 2] for replica in replicas.values())
 
 
+class FlakyJoiningReplica(JoiningReplica):
+    """A joining replica whose first ``failures`` appends fail (a connection blip during its copy)."""
+
+    failures = 2
+
+    def append(self, records_):
+        if self.failures:
+            self.failures -= 1
+            return defer.fail(ConnectionError("blip"))
+        return super().append(records_)
+
+
+def test_a_join_that_failed_is_tried_again_with_backoff_until_it_joins():
+    storages = ("a:1", "b:1", "c:1")
+    metadata = DummyMetadata()
+    metadata.value = metadata.value.__class__(1, 1, metadata.value.replica_states)
+    replicas = {s: DummyReplica(s, 1, []) for s in storages[:2]}
+    replicas["c:1"] = FlakyJoiningReplica("c:1", 1, [])
+    clock = Clock()
+    session = StoreSession(0, metadata.value, replicas, metadata, clock, recovery_retry_interval=0.5)
+    session.start()
+    session.write(records(0, 5))
+    replicas["c:1"].connect()                   # its copy fails: tried again in 0.5 s, then 1 s
+    assert set(session.joined) == {"a:1", "b:1"}
+    clock.advance(0.5)
+    assert set(session.joined) == {"a:1", "b:1"} and replicas["c:1"].failures == 0
+    clock.advance(0.9)
+    assert set(session.joined) == {"a:1", "b:1"}
+    clock.advance(0.1)
+    assert set(session.joined) == set(storages)
+    session.write(records(5, 1))
+    assert [r.transaction_id for r in replicas["c:1"].log] == list(range(6))
+    assert clock.getDelayedCalls() == []
+
+
+def test_closing_the_session_cancels_a_join_retry():
+    storages = ("a:1", "b:1", "c:1")
+    metadata = DummyMetadata()
+    metadata.value = metadata.value.__class__(1, 1, metadata.value.replica_states)
+    replicas = {s: DummyReplica(s, 1, []) for s in storages[:2]}
+    replicas["c:1"] = FlakyJoiningReplica("c:1", 1, [])
+    clock = Clock()
+    session = StoreSession(0, metadata.value, replicas, metadata, clock)
+    session.start()
+    session.write(records(0, 5))
+    replicas["c:1"].connect()
+    assert len(clock.getDelayedCalls()) == 1
+    session.close("test")
+    assert clock.getDelayedCalls() == []
+
+
 def test_checkpoint_interval_starts_a_new_session():
     h = Harness()
     partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=1, checkpoint_interval=3)

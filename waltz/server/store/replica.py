@@ -19,6 +19,10 @@ from waltz.protocols.base import Liveness
 from waltz.protocols.rpc import ConnectionClosed, RequestClientFactory, StorageClientProtocol
 
 
+#: Seconds a storage request may stay unanswered before its connection is closed (``storage.requestTimeout``).
+DEFAULT_REQUEST_TIMEOUT = 30.0
+
+
 class ReplicaUnavailable(Exception):
     """The replica's storage node is not connected (or the connection was lost)."""
 
@@ -42,11 +46,14 @@ class StorageConnection:
 
     log = Logger()
 
-    def __init__(self, storage, open_request, reactor, initial_retry=0.1, max_retry=20.0, max_frame_size=None):
+    def __init__(self, storage, open_request, reactor, initial_retry=0.1, max_retry=20.0, max_frame_size=None,
+                 request_timeout=DEFAULT_REQUEST_TIMEOUT):
         self.storage = storage
         self.reactor = reactor
         host, _, port = storage.rpartition(":")
-        settings = {"owner": self, **Liveness(reactor).settings()}
+        # Liveness: a silent storage (gone, or its network cut) and one that stops answering requests
+        # (a hung disk) both close the connection, failing its requests, instead of holding them.
+        settings = {"owner": self, "request_timeout": request_timeout, **Liveness(reactor).settings()}
         if max_frame_size:
             settings["max_frame_size"] = max_frame_size
         factory = RequestClientFactory(_PooledStorageProtocol, open_request, **settings)
@@ -110,17 +117,20 @@ class StorageConnection:
 class StorageConnectionPool:
     """One :class:`StorageConnection` per storage node, created on first use."""
 
-    def __init__(self, open_request, reactor, initial_retry=0.1, max_retry=20.0):
+    def __init__(self, open_request, reactor, initial_retry=0.1, max_retry=20.0,
+                 request_timeout=DEFAULT_REQUEST_TIMEOUT):
         self.open_request = open_request
         self.reactor = reactor
         self.initial_retry = initial_retry
         self.max_retry = max_retry
+        self.request_timeout = request_timeout
         self.connections = {}
 
     def connection(self, storage) -> StorageConnection:
         conn = self.connections.get(storage)
         if conn is None:
-            conn = StorageConnection(storage, self.open_request, self.reactor, self.initial_retry, self.max_retry)
+            conn = StorageConnection(storage, self.open_request, self.reactor, self.initial_retry, self.max_retry,
+                                     request_timeout=self.request_timeout)
             self.connections[storage] = conn
             conn.start()
         return conn

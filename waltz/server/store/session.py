@@ -37,6 +37,9 @@ from waltz.zk.znodes import UNRESOLVED, ReplicaState
 #: A background replica this close to the committed high-water mark makes the session hold new batches
 #: while it copies the rest, so that it can join.
 JOIN_HOLD_THRESHOLD = 1000
+#: Longest wait between attempts to join a replica that recovered in the background (from the
+#: recovery retry interval, doubling).
+MAX_JOIN_RETRY_INTERVAL = 30.0
 
 
 class SessionClosed(Exception):
@@ -83,6 +86,8 @@ class StoreSession:
         self.metadata_store = metadata_store
         self.recovery = RecoveryManager(partition_id, metadata, self.replicas, metadata_store, reactor,
                                         metrics, recovery_retry_interval)
+        self._join_retry_interval = recovery_retry_interval
+        self._join_retries = {}    # storage -> the DelayedCall that tries its join again
         self.state = SessionState.CREATED
         self.close_reason = None
         self.low_water_mark = None
@@ -143,9 +148,10 @@ class StoreSession:
         if not replica.connected:
             self._replica_lost(replica)
 
-    def _background_recovered(self, storage):
-        if self.state is SessionState.WRITING:
-            self._join(storage).addErrback(self._join_failed, storage)
+    def _background_recovered(self, storage, attempt=0):
+        self._join_retries.pop(storage, None)
+        if self.state is SessionState.WRITING and storage not in self.joined:
+            self._join(storage).addErrback(self._join_failed, storage, attempt)
 
     @defer.inlineCallbacks
     def _join(self, storage):
@@ -210,13 +216,19 @@ class StoreSession:
             for listener in list(self._writable_listeners):
                 listener()
 
-    def _join_failed(self, failure, storage):
+    def _join_failed(self, failure, storage, attempt):
         if failure.check(SessionFenced):
             self.close("fenced while replica %s joined: %s" % (storage, failure.getErrorMessage()))
         elif self.state is SessionState.WRITING:
-            self.log.warn("partition {pid} store session {sid}: replica {storage} could not join: {reason}",
-                          pid=self.partition_id, sid=self.session_id, storage=storage,
-                          reason=failure.getErrorMessage())
+            # Tried again until it joins or the session ends: a replica left out until the next session
+            # (the checkpoint, or a failure; an idle partition may see neither) leaves it one failure
+            # from losing its quorum, while recorded as a member of this session.
+            delay = min(MAX_JOIN_RETRY_INTERVAL, self._join_retry_interval * 2 ** attempt)
+            self.log.warn("partition {pid} store session {sid}: replica {storage} could not join: {reason}; "
+                          "trying again in {delay} s", pid=self.partition_id, sid=self.session_id,
+                          storage=storage, reason=failure.getErrorMessage(), delay=delay)
+            self._join_retries[storage] = self.reactor.callLater(delay, self._background_recovered, storage,
+                                                                 attempt + 1)
 
     def _replica_lost(self, replica):
         self._leave(replica.replica_id.storage, "lost its connection")
@@ -312,6 +324,10 @@ class StoreSession:
         self.close_reason = reason
         self._enter(SessionState.CLOSED, reason)
         self.recovery.stop(reason)
+        retries, self._join_retries = self._join_retries, {}
+        for call in retries.values():
+            if call.active():
+                call.cancel()
         for replica in self.replicas.values():
             replica.close()
         batches, self._batches = self._batches, collections.deque()

@@ -20,7 +20,7 @@ from zope.interface import implementer
 from waltz.interfaces import IPartitionMetadataStore
 from waltz.protocols import storage_messages as sm
 from waltz.server.store.partition import StorePartition
-from waltz.server.store.replica import ReplicaSession, StorageConnectionPool
+from waltz.server.store.replica import DEFAULT_REQUEST_TIMEOUT, ReplicaSession, StorageConnectionPool
 from waltz.server.store.session import StoreSession
 from waltz.zk.znodes import ReplicaAssignments, ReplicaId
 
@@ -81,13 +81,15 @@ class Store:
     log = Logger()
 
     def __init__(self, cluster, reactor, max_batch_size=100, checkpoint_interval=250_000, initial_retry=0.1,
-                 max_retry=20.0, metrics=None, recovery_retry_interval=0.5, max_batches_in_flight=4):
+                 max_retry=20.0, metrics=None, recovery_retry_interval=0.5, max_batches_in_flight=4,
+                 request_timeout=DEFAULT_REQUEST_TIMEOUT):
         self.cluster = cluster
         self.reactor = reactor
         self.max_batch_size = max_batch_size
         self.max_batches_in_flight = max_batches_in_flight
         self.checkpoint_interval = checkpoint_interval
         self.initial_retry = initial_retry
+        self.request_timeout = request_timeout
         self.max_retry = max_retry
         self.metrics = metrics
         self.recovery_retry_interval = recovery_retry_interval
@@ -102,7 +104,8 @@ class Store:
     def start(self):
         self.params = yield self.cluster.store_params()
         open_request = sm.OpenRequest.create(self.params.key, self.params.num_partitions)
-        self.pool = StorageConnectionPool(open_request, self.reactor, self.initial_retry, self.max_retry)
+        self.pool = StorageConnectionPool(open_request, self.reactor, self.initial_retry, self.max_retry,
+                                          self.request_timeout)
         self.sessions = StoreSessionManager(self.cluster, self.pool, self.reactor, self.replicas_of, self.metrics,
                                             self.recovery_retry_interval)
         self._apply_assignment((yield self.cluster.replica_assignments()))

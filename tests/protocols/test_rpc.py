@@ -1,0 +1,76 @@
+"""RequestClientProtocol: request numbering, and the request deadline checked at liveness ticks."""
+
+import uuid
+
+import pytest
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+
+from waltz.protocols import storage_messages as sm
+from waltz.protocols.base import Liveness
+from waltz.protocols.framing import Hello, encode_frame
+from waltz.protocols.rpc import ConnectionClosed, StorageClientProtocol
+
+KEY = uuid.UUID(int=7)
+
+
+def response(message, version):
+    return encode_frame(b"S", version, sm.STORAGE_CODEC.encode(message, version))
+
+
+def opened_connection(request_timeout=30):
+    """A storage client connection past its Hello and open request, ticking every 10 s on a Clock."""
+    proto = StorageClientProtocol()
+    proto.open_request = sm.OpenRequest.create(KEY, 4)
+    proto.request_timeout = request_timeout
+    Liveness(Clock(), interval=10, idle_timeout=1000).apply(proto)
+    transport = StringTransport()
+    proto.makeConnection(transport)
+    proto.dataReceived(Hello(tuple(sm.STORAGE_CODEC.versions), "Waltz Storage").to_frame())
+    proto.dataReceived(response(sm.SuccessResponse(-1, -1, -1), proto.version))
+    assert proto.is_open
+    return proto, transport
+
+
+def ask(proto):
+    return proto.request(sm.MaxTransactionIdRequest(1, -1, 0, False))
+
+
+def test_a_request_left_unanswered_closes_the_connection_and_fails_every_request(logged_failures):
+    proto, transport = opened_connection()
+    first = ask(proto)
+    proto.clock.pump([10, 10])
+    second = ask(proto)
+    proto.clock.pump([10, 10])          # the first has been seen pending for 30 s at the 40 s tick
+    assert transport.disconnecting
+    proto.connectionLost(None)
+    for d in (first, second):
+        assert isinstance(logged_failures(d), ConnectionClosed)
+
+
+def test_requests_answered_in_time_keep_the_connection(logged_failures):
+    proto, transport = opened_connection()
+    for seq in range(10):               # one request always pending, each answered after 20 s
+        d = ask(proto)
+        proto.clock.pump([10, 10])
+        proto.dataReceived(response(sm.MaxTransactionIdResponse(1, seq, 0, 5), proto.version))
+        assert d.called
+    assert not transport.disconnecting
+
+
+def test_without_a_request_timeout_requests_wait_as_long_as_the_connection():
+    proto, transport = opened_connection(request_timeout=None)
+    d = ask(proto)
+    proto.clock.pump([10] * 50)
+    assert not d.called and not transport.disconnecting
+
+
+@pytest.fixture
+def logged_failures():
+    """``failure_of(d)``: the exception a fired Deferred failed with (consumed, so it is not logged)."""
+    def failure_of(d):
+        failures = []
+        d.addErrback(failures.append)
+        assert failures, "the Deferred did not fail"
+        return failures[0].value
+    return failure_of
