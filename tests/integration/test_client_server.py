@@ -15,6 +15,7 @@ from twisted.internet import defer, reactor, task, threads
 
 from tests.client.test_docs import bank_module
 from waltz.client import Outcome, TransactionContext, WaltzClient, WaltzClientCallbacks
+from waltz.local.cluster import LocalCluster
 from waltz.local.daemons import local_server
 
 pytestmark = pytest.mark.integration
@@ -231,3 +232,39 @@ async def test_the_bank_example_of_the_docs_refuses_the_overdraft(cluster, start
         assert connection.execute("SELECT BALANCE FROM ACCOUNTS WHERE ID = 1").fetchone() == (40,)
     finally:
         connection.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_client_mounted_on_a_server_that_gave_up_its_partitions_mounts_again(tmp_path, cluster_root,
+                                                                                      start_server, clients):
+    # ZooKeeper (this test's own) stays down past 0.8 of the server's session timeout: the server gives
+    # its partitions up. ZooKeeper comes back with the session alive, and the server takes the same
+    # partitions back at the same generations: a client's map does not change. Its mount must not
+    # silently vanish with the closed partition (appends dropped as not mounted, no feed, for good).
+    local = LocalCluster(str(tmp_path / "own"), num_partitions=1, num_storages=1, root=cluster_root)
+    try:
+        await local.start(reactor)
+        server = await start_server(local, **{"zookeeper.sessionTimeout": 8000})
+        log = Log()
+        client = await new_client(local, clients, log, **{"client.transactionExpiration": 120000})
+        assert (await client.execute(Plain(0, 0, header=1))).committed
+        await local.zk_client.close()
+        local.zk_client = None
+        await threads.deferToThread(local.zookeeper.stop)
+
+        async def partitions_held():
+            _, text = await threads.deferToThread(server.http_get, "/metrics")
+            return [int(float(line.split()[-1])) for line in text.splitlines()
+                    if line.startswith("waltz_server_partitions ")]
+        deadline = reactor.seconds() + 30
+        while await partitions_held() != [0]:
+            assert reactor.seconds() < deadline, "the server did not give its partition up"
+            await task.deferLater(reactor, 0.2, lambda: None)
+
+        await threads.deferToThread(local.zookeeper.start)
+        result = await client.execute(Plain(0, 0, header=2)).addTimeout(60, reactor)
+        assert result.committed
+        await caught_up(client, log)
+        assert [header for _, _, header in log.applied[0]] == [1, 2]
+    finally:
+        await local.stop()

@@ -108,7 +108,7 @@ class ServerMembership:
     log = Logger()
 
     def __init__(self, cluster, host, port, on_assignment, preferred_partitions=(), reactor=None, rng=None,
-                 retry_interval=0.5, give_up_after=None):
+                 retry_interval=0.5, give_up_after=None, on_give_up=None):
         if reactor is None:
             from twisted.internet import reactor
         self.cluster = cluster
@@ -116,6 +116,9 @@ class ServerMembership:
         self.port = port
         self.preferred_partitions = tuple(sorted(set(preferred_partitions)))
         self.on_assignment = on_assignment
+        #: ``on_give_up(why)``, called after ``on_assignment({})`` when the server gives its partitions up
+        #: for want of ZooKeeper (the assignment it had may still be current: it may get them back as they were).
+        self.on_give_up = on_give_up
         self.reactor = reactor
         self.rng = rng or random_module.Random()
         self.retry_interval = retry_interval
@@ -307,6 +310,8 @@ class ServerMembership:
                       partitions=sorted(self.partitions.items()), why=why)
         self.partitions = {}
         self.on_assignment({})
+        if self.on_give_up is not None:
+            self.on_give_up(why)
 
     def _rejoin(self):
         if self.state is not MembershipState.REJOINING:

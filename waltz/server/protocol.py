@@ -186,7 +186,7 @@ class ServerFactory(Factory):
             self.liveness.apply(proto)
         return proto
 
-    def close_connections(self):
-        """Close every open client connection (server shutdown)."""
+    def close_connections(self, reason="server shutting down"):
+        """Close every open client connection (server shutdown; partitions given up)."""
         for connection in list(self.connections):
-            connection.close("server shutting down")
+            connection.close(reason)

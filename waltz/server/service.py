@@ -344,7 +344,7 @@ class WaltzServerService(AsyncStartService):
                                            on_lost=self._partition_lost)
         self.membership = ServerMembership(self.cluster, config["server.host"], config["server.port"],
                                            self._assignment_changed, config["server.preferredPartitions"],
-                                           reactor=self.reactor, rng=self.rng)
+                                           reactor=self.reactor, rng=self.rng, on_give_up=self._gave_up)
         self.partitions.info = ServerInfo(self.membership, self.store, self.partitions, self.reactor)
         self._listen()
         yield self.membership.start()
@@ -387,6 +387,15 @@ class WaltzServerService(AsyncStartService):
     def _assignment_changed(self, assigned):
         self.metrics.assignment_changes.inc()
         self.partitions.assign(assigned)
+
+    def _gave_up(self, why):
+        # A client mounted here cannot tell: if ZooKeeper gives this server the same partitions back at the
+        # same generations, its map does not change, and its appends would be dropped as not mounted (a
+        # closed partition forgets its mounts) with no answer, for good. Closing its connection makes it
+        # remount: NOT_READY while nothing is served, READY once the partitions are back here, or it
+        # follows them to their new server.
+        if self.client_factory is not None:
+            self.client_factory.close_connections("partitions given up (%s); mount again" % why)
 
     def _partition_lost(self, partition_id, generation, reason):
         # Another server holds the partition at a newer generation: our assignment is behind. Read it again.
