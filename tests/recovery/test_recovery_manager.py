@@ -68,3 +68,35 @@ def test_replicas_waiting_for_one_to_copy_from_share_one_retry_timer():
     assert len(replicas["d:1"].log) == len(replicas["e:1"].log) == 11
     manager.stop()
     assert clock.getDelayedCalls() == []
+
+
+def wiped_member(logs):
+    """Session 1's members ``logs`` (storage -> records); c forgot the session (its data was wiped and it
+    was assigned back, or restored from an old copy): its storage reports no session at all."""
+    metadata = DummyMetadata()
+    metadata.value = metadata_with(*((s, 1, UNRESOLVED) for s in logs))
+    replicas = {s: DummyReplica(s, 2, log) for s, log in logs.items()}
+    for storage, replica in replicas.items():
+        replica.last_session = (1, -1, -1) if storage != "c:1" else (-1, -1, -1)
+    return RecoveryManager(0, metadata.value, replicas, metadata, Clock())
+
+
+def test_a_member_that_forgot_its_session_does_not_vote_away_acknowledged_transactions():
+    # 0..20 were acknowledged on a and c (quorum 2 of 3); b fell behind at 15. Counted as voting -1, the
+    # wiped c made 15 the closing mark and a was cut back to it: 16..20 lost.
+    full = records(0, 21)
+    logs = {"a:1": list(full), "b:1": list(full[:16]), "c:1": []}
+    manager = wiped_member(logs)
+    result = manager.run()
+    assert not result.called, "undecidable without c: c may have held 16..20 (it did)"
+    assert manager.recoveries["c:1"].vote is None and manager.recoveries["c:1"].abstains
+    assert len(logs["a:1"]) == 21
+
+
+def test_a_member_that_forgot_its_session_is_caught_up_once_the_others_decide():
+    full = records(0, 21)
+    logs = {"a:1": list(full), "b:1": list(full), "c:1": []}
+    manager = wiped_member(logs)
+    result = manager.run()
+    assert result.called and result.result.high_water_mark == 20
+    assert [r.transaction_id for r in logs["c:1"]] == list(range(21))

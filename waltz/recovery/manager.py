@@ -111,6 +111,9 @@ class ReplicaRecovery:
         self.storage = replica.replica_id.storage
         self.state = None
         self.vote = None
+        #: True when the storage forgot the session ZooKeeper records it in (its data was wiped, or
+        #: restored from an older copy): it must not vote (see :meth:`_make_consistent`).
+        self.abstains = False
         self.max_transaction_id = None
         self.done = defer.Deferred()
 
@@ -148,6 +151,17 @@ class ReplicaRecovery:
         state = self.manager.metadata.replica_state(self.replica.replica_id)
         if state is None or state.session_id != last_session_id:
             # ZooKeeper and the storage disagree: trust only what the storage had when its last session started.
+            if state is not None and last_session_id < state.session_id:
+                # A storage records a session (durably, with its low-water mark) before ZooKeeper records it
+                # as a member: one that does not remember it lost what it held. Its vote would count records
+                # it no longer has as never written, and could truncate acknowledged transactions from the
+                # others (seed 001, "Handling Snapshot or Backup": such a replica is caught up, not asked).
+                self.abstains = True
+                self.log.error(
+                    "partition {pid}: replica {storage} reports last session {last} but ZooKeeper records it in "
+                    "session {recorded}: its data was lost or restored from an older copy; it does not vote and "
+                    "will be caught up", pid=self.manager.partition_id, storage=self.storage, last=last_session_id,
+                    recorded=state.session_id)
             self._enter(ReplicaRecoveryState.TRUNCATING_INCONSISTENT)
             return self._truncate(local_lwm)
         if state.is_resolved:
@@ -170,7 +184,7 @@ class ReplicaRecovery:
 
     def _cast_vote(self, _):
         self._enter(ReplicaRecoveryState.VOTED)
-        if self.vote is None and self.storage in self.manager.electorate:
+        if self.vote is None and not self.abstains and self.storage in self.manager.electorate:
             self.vote = self.max_transaction_id
             self.manager.voted(self)
 
