@@ -59,6 +59,11 @@ class StoreSessionManager:
         if not storages:
             raise NoReplicas("partition %d has no replica assigned in ZooKeeper" % partition_id)
         metadata = yield self.cluster.new_store_session(partition_id, generation)
+        # Read again: an assignment change while ZooKeeper answered closed no session (there was none yet),
+        # so the replicas read before would stay, with their quorum, until the next session.
+        storages = self.assignment(partition_id)
+        if not storages:
+            raise NoReplicas("partition %d has no replica assigned in ZooKeeper" % partition_id)
         replicas = {storage: ReplicaSession(ReplicaId(partition_id, storage), metadata.session_id,
                                             self.pool.connection(storage))
                     for storage in storages}

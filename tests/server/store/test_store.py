@@ -1,0 +1,57 @@
+"""Store: store sessions follow the replica assignment in ZooKeeper."""
+
+import uuid
+
+from twisted.internet import defer
+from twisted.internet.task import Clock
+
+from waltz.server.store.store import Store, StoreSessionManager
+from waltz.zk.znodes import PartitionMetadata, ReplicaAssignments, StoreParams
+
+
+class UnreachableConnection:
+    """A storage connection that never opens (recovery just waits on it)."""
+
+    connected = False
+
+    def add_close_listener(self, listener):
+        pass
+
+    def remove_close_listener(self, listener):
+        pass
+
+    def when_open(self):
+        return defer.Deferred()
+
+
+class Pool:
+    def connection(self, storage):
+        return UnreachableConnection()
+
+
+class ClusterWithHeldSessionCreation:
+    """Cluster metadata whose new-session compare-and-set answers when the test says."""
+
+    def __init__(self):
+        self.created = defer.Deferred()
+        self.paths = type("Paths", (), {"assignment": "/c/store/assignment"})()
+
+    def new_store_session(self, partition_id, generation):
+        return self.created
+
+
+def assignment(*storages):
+    return ReplicaAssignments(tuple((storage, (0,)) for storage in storages))
+
+
+def test_a_session_created_across_an_assignment_change_gets_the_new_replicas():
+    clock, cluster = Clock(), ClusterWithHeldSessionCreation()
+    store = Store(cluster, clock)
+    store.params = StoreParams(uuid.uuid4(), 1)
+    store.pool = Pool()
+    store.sessions = StoreSessionManager(cluster, store.pool, clock, store.replicas_of)
+    store._apply_assignment(assignment("a:1", "b:1", "c:1"))
+    partition = store.partition(0, 5)                        # its first session is being created
+    store._assignment_changed(assignment("a:1", "b:1", "d:1").encode(), None)
+    cluster.created.callback(PartitionMetadata(5, 1, ()))   # ZooKeeper answers after the change
+    assert sorted(partition.session.replicas) == ["a:1", "b:1", "d:1"]
