@@ -298,6 +298,24 @@ def test_a_batch_not_sent_to_a_replica_that_fell_behind_does_not_wait_for_it():
     last.addErrback(lambda f: None)
 
 
+def test_a_replica_that_left_is_not_read_from_while_the_batches_in_flight_settle():
+    h = Harness(manual=True)
+    session = started(h)
+    session.max_outstanding_batches = 2
+    a, b, c = (session.replicas_by_name[s] for s in STORAGES)
+    assert session.reader() is a
+    for n in range(2):
+        session.write(records(n, 1))
+        b.ack()
+        c.ack()                                # committed on b and c; a is slow: 2 outstanding
+    last = session.write(records(2, 1))        # not sent to a, which fell behind: it leaves after this batch
+    assert session.state is SessionState.WRITING
+    assert session.reader() is b               # a lacks committed batches: never read from it
+    b.ack()
+    c.ack()
+    assert last.called and session.state is SessionState.CLOSED
+
+
 class JoiningReplica(DummyReplica):
     """A replica whose connection (hence its recovery) comes when the test calls :meth:`connect`."""
 

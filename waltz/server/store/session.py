@@ -97,6 +97,7 @@ class StoreSession:
         self._close_after_batch = None
         self._batches = collections.deque()
         self._holders = 0          # joins holding new batches until they are admitted
+        self._left = set()         # joined replicas that left (kept in joined until the batches in flight settle)
         self._idle_waiters = []
         self._writable_listeners = []
 
@@ -238,6 +239,7 @@ class StoreSession:
         if self.state is SessionState.CLOSED:
             return
         reason = "replica %s %s" % (storage, why)
+        self._left.add(storage)     # it may lack committed batches: no more reads from it
         if self._batches and all(self._can_commit(batch) for batch in self._batches):
             self._close_after_batch = reason
         else:
@@ -311,7 +313,7 @@ class StoreSession:
     def reader(self):
         """A connected joined replica to read committed records from, or ``None``."""
         for storage, replica in sorted(self.joined.items()):
-            if replica.connected:
+            if replica.connected and storage not in self._left:
                 return replica
         return None
 
