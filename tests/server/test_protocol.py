@@ -221,12 +221,18 @@ def test_a_message_a_client_may_not_send_closes_only_that_connection():
     assert not good_transport.disconnecting
 
 
-def test_a_corrupted_append_closes_only_that_connection():
+def two_connections_the_other_mounted():
+    """``(cluster, proto, transport, other, other_transport)``: client 2 mounted on ``other``."""
     cluster = Cluster()
     proto, transport = server_over_string_transport(cluster)
     other, other_transport = server_over_string_transport(cluster)
     other.dataReceived(frame(cm.MountRequest(rid(0, client=2), -1, 1)))
     cluster.clock.advance(0)
+    return cluster, proto, transport, other, other_transport
+
+
+def test_a_corrupted_append_closes_only_that_connection():
+    cluster, proto, transport, other, other_transport = two_connections_the_other_mounted()
     payload = bytearray(cm.CLIENT_CODEC.encode(cm.AppendRequest.create(rid(1), -1, 0, b"hello"), 4))
     payload[-1] ^= 0xFF                                   # break the checksum
     proto.dataReceived(encode_frame(b"L", 4, bytes(payload)))
@@ -247,11 +253,7 @@ def test_an_append_over_the_data_limit_closes_only_that_connection():
 
 def test_an_append_over_the_lock_limit_closes_only_that_connection():
     from waltz.protocols.locks import MAX_LOCKS_PER_KIND
-    cluster = Cluster()
-    proto, transport = server_over_string_transport(cluster)
-    other, other_transport = server_over_string_transport(cluster)
-    other.dataReceived(frame(cm.MountRequest(rid(0, client=2), -1, 1)))
-    cluster.clock.advance(0)
+    cluster, proto, transport, other, other_transport = two_connections_the_other_mounted()
     # The encoder does not refuse it (the builder does): this is what a peer could send.
     proto.dataReceived(frame(cm.AppendRequest.create(rid(1), -1, 0, b"x",
                                                      write_locks=range(MAX_LOCKS_PER_KIND + 1))))

@@ -379,40 +379,36 @@ class FlakyJoiningReplica(JoiningReplica):
         return super().append(records_)
 
 
-def test_a_join_that_failed_is_tried_again_with_backoff_until_it_joins():
-    storages = ("a:1", "b:1", "c:1")
+def session_with_a_flaky_join():
+    """A writing session of a and b with 5 transactions; c recovers now and its join's copy fails twice."""
     metadata = DummyMetadata()
     metadata.value = metadata.value.__class__(1, 1, metadata.value.replica_states)
-    replicas = {s: DummyReplica(s, 1, []) for s in storages[:2]}
+    replicas = {s: DummyReplica(s, 1, []) for s in ("a:1", "b:1")}
     replicas["c:1"] = FlakyJoiningReplica("c:1", 1, [])
     clock = Clock()
     session = StoreSession(0, metadata.value, replicas, metadata, clock, recovery_retry_interval=0.5)
     session.start()
     session.write(records(0, 5))
-    replicas["c:1"].connect()                   # its copy fails: tried again in 0.5 s, then 1 s
+    replicas["c:1"].connect()
+    return session, replicas, clock
+
+
+def test_a_join_that_failed_is_tried_again_with_backoff_until_it_joins():
+    session, replicas, clock = session_with_a_flaky_join()   # tried again in 0.5 s, then 1 s
     assert set(session.joined) == {"a:1", "b:1"}
     clock.advance(0.5)
     assert set(session.joined) == {"a:1", "b:1"} and replicas["c:1"].failures == 0
     clock.advance(0.9)
     assert set(session.joined) == {"a:1", "b:1"}
     clock.advance(0.1)
-    assert set(session.joined) == set(storages)
+    assert set(session.joined) == {"a:1", "b:1", "c:1"}
     session.write(records(5, 1))
     assert [r.transaction_id for r in replicas["c:1"].log] == list(range(6))
     assert clock.getDelayedCalls() == []
 
 
 def test_closing_the_session_cancels_a_join_retry():
-    storages = ("a:1", "b:1", "c:1")
-    metadata = DummyMetadata()
-    metadata.value = metadata.value.__class__(1, 1, metadata.value.replica_states)
-    replicas = {s: DummyReplica(s, 1, []) for s in storages[:2]}
-    replicas["c:1"] = FlakyJoiningReplica("c:1", 1, [])
-    clock = Clock()
-    session = StoreSession(0, metadata.value, replicas, metadata, clock)
-    session.start()
-    session.write(records(0, 5))
-    replicas["c:1"].connect()
+    session, _, clock = session_with_a_flaky_join()
     assert len(clock.getDelayedCalls()) == 1
     session.close("test")
     assert clock.getDelayedCalls() == []
