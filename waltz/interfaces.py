@@ -31,10 +31,12 @@ class IStorePartition(Interface):
         """Fires with the committed ``Record``, or ``None`` above the high-water mark."""
 
     def get_records(transaction_id, max_records):
-        """Fires with up to ``max_records`` committed records from ``transaction_id`` on."""
+        """Fires with up to ``max_records`` committed records from ``transaction_id`` on (consecutive,
+        their checksums verified; from whichever replica serves them)."""
 
     def get_headers(transaction_id, max_records):
-        """Fires with up to ``max_records`` committed ``RecordHeader``s from ``transaction_id`` on."""
+        """Fires with up to ``max_records`` committed ``RecordHeader``s from ``transaction_id`` on
+        (consecutive; from whichever replica serves them)."""
 
     def add_listener(listener):
         """``listener(high_water_mark)`` is called after each commit and each recovery."""

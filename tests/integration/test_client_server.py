@@ -7,6 +7,8 @@
 * reading a range (the Spark path) and killing the server under a running client.
 """
 
+import glob
+import os
 import sqlite3
 
 import pytest
@@ -17,6 +19,8 @@ from tests.client.test_docs import bank_module
 from waltz.client import Outcome, TransactionContext, WaltzClient, WaltzClientCallbacks
 from waltz.local.cluster import LocalCluster
 from waltz.local.daemons import local_server
+from waltz.storage.index import FILE_HEADER_SIZE as SEGMENT_HEADER_SIZE
+from waltz.storage.segment import RECORD_HEADER_SIZE, RECORD_OVERHEAD
 
 pytestmark = pytest.mark.integration
 
@@ -215,6 +219,44 @@ async def test_a_client_survives_its_server_being_killed(cluster, start_server, 
     await caught_up(client, log)
     assert [header for _, _, header in log.applied[0]] == [1, 2]
     assert [header for _, _, header in log.applied[1]] == [2]
+
+
+def damage_record(storage, transaction_id, partition=0):
+    """Flip a data byte of ``transaction_id`` in ``storage``'s segment file, as a failing disk would."""
+    offset = SEGMENT_HEADER_SIZE
+    path, = glob.glob(os.path.join(storage.config["storage.directory"], str(partition), "*.seg"))
+    with open(path, "r+b") as stream:
+        for _ in range(transaction_id):           # records are back to back: header, data, crc
+            stream.seek(offset + RECORD_HEADER_SIZE - 8)
+            offset += RECORD_OVERHEAD + int.from_bytes(stream.read(4), "big", signed=True)
+        stream.seek(offset + RECORD_HEADER_SIZE)
+        byte = stream.read(1)
+        stream.seek(offset + RECORD_HEADER_SIZE)
+        stream.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest_twisted.ensureDeferred
+async def test_records_damaged_on_two_storages_are_read_from_the_third(cluster, start_server, clients):
+    server = await start_server(cluster, "server1")
+    writer = await new_client(cluster, clients)
+    for header in range(5):
+        assert (await writer.execute(Plain(0, 0, header=header))).committed
+    await writer.close()
+    # The server reads from the storages in the order of their names: damage transaction 2 on the two
+    # it asks first. A server started now has nothing cached, so feeds and data come from the storages.
+    first, second, _ = sorted(cluster.storages, key=cluster.storage_name)
+    damage_record(first, 2)
+    damage_record(second, 2)
+    await threads.deferToThread(server.stop)
+    await start_server(cluster, "server2")
+
+    log = Log()
+    reader = await new_client(cluster, clients, log)
+    await caught_up(reader, log)                  # the catch-up feed read the headers past the damage
+    assert [header for _, _, header in log.applied[0]] == [0, 1, 2, 3, 4]
+    assert await reader.get_transaction_data(0, 2) == b"plain 2"
+    records = await reader.read_transactions(0, 0, 4)
+    assert [r.data for r in records] == [b"plain %d" % n for n in range(5)]
 
 
 @pytest_twisted.ensureDeferred

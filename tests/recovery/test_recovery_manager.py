@@ -100,3 +100,21 @@ def test_a_member_that_forgot_its_session_is_caught_up_once_the_others_decide():
     result = manager.run()
     assert result.called and result.result.high_water_mark == 20
     assert [r.transaction_id for r in logs["c:1"]] == list(range(21))
+
+
+def test_a_lagging_replica_is_caught_up_from_the_next_usher_when_one_fails_the_read():
+    # a's disk fails reads (or returns a record that fails its checksum): c copies from b instead of
+    # failing its catch-up again and again while a is the first replica holding the records.
+    full = records(0, 21)
+    logs = {"a:1": list(full), "b:1": list(full), "c:1": list(full[:5])}
+    metadata = DummyMetadata()
+    metadata.value = metadata_with(*((s, 1, UNRESOLVED) for s in logs))
+    replicas = {s: DummyReplica(s, 2, log) for s, log in logs.items()}
+    for replica in replicas.values():
+        replica.last_session = (1, -1, -1)
+    replicas["a:1"].read_error = OSError("I/O error reading segment 0")
+    manager = RecoveryManager(0, metadata.value, replicas, metadata, Clock())
+    result = manager.run()
+    assert result.called and result.result.high_water_mark == 20
+    assert [r.transaction_id for r in logs["c:1"]] == list(range(21))
+    assert ("get_records", 5) in replicas["a:1"].calls     # asked first, failed, and b served the copy

@@ -47,6 +47,7 @@ import attr
 from twisted.internet import defer, task
 from twisted.logger import Logger
 
+from waltz.recovery.replica_reads import RECORDS, read_from_any
 from waltz.recovery.voting import quorum_of, resolve_high_water_mark
 from waltz.zk.znodes import UNRESOLVED, ReplicaState
 
@@ -198,7 +199,7 @@ class ReplicaRecovery:
         return None
 
     def _catch_up(self, high_water_mark):
-        d = copy_records(lambda first: self.manager.usher_for(self, first), self.replica,
+        d = copy_records(lambda first, count: self.manager.read_for(self, first, count), self.replica,
                          self.max_transaction_id + 1, high_water_mark)
         return d.addCallback(self._set_max)
 
@@ -338,20 +339,34 @@ class RecoveryManager:
         self._resolution_waiters.append(waiter)
         return waiter
 
-    def usher_for(self, recovery, first) -> defer.Deferred:
-        """A connected replica holding the records from ``first`` up to the resolved mark, to copy from."""
-        for other in self.recoveries.values():
-            if other is not recovery and other.replica.connected and other.vote is not None \
-                    and other.vote >= self.high_water_mark and other.max_transaction_id is not None \
-                    and other.max_transaction_id >= first:
-                return defer.succeed(other.replica)
+    def ushers_for(self, recovery, first) -> defer.Deferred:
+        """Fires with the connected replicas holding the records from ``first`` up to the resolved mark
+        (all of them, to copy from in turn), waiting while there are none."""
+        ushers = [other.replica for other in self.recoveries.values()
+                  if other is not recovery and other.replica.connected and other.vote is not None
+                  and other.vote >= self.high_water_mark and other.max_transaction_id is not None
+                  and other.max_transaction_id >= first]
+        if ushers:
+            return defer.succeed(ushers)
         waiter = defer.Deferred()
         self._usher_waiters.append(waiter)
         # Re-check shortly: a replica holding the records may reconnect. One timer serves every waiter
         # (a timer per waiter, each waking all of them, would double the timers at every interval).
         if self._usher_timer is None:
             self._usher_timer = self.reactor.callLater(self.retry_interval, self._offer_ushers)
-        return waiter.addCallback(lambda _: self.usher_for(recovery, first))
+        return waiter.addCallback(lambda _: self.ushers_for(recovery, first))
+
+    def read_for(self, recovery, first, count) -> defer.Deferred:
+        """Records ``first``.. (at most ``count``) for ``recovery`` to copy, from the first usher that
+        serves them (a usher failing the read is logged and the next one asked)."""
+        d = self.ushers_for(recovery, first)
+        return d.addCallback(read_from_any, RECORDS, first, count, self._usher_failed)
+
+    def _usher_failed(self, replica, failure):
+        if self.metrics is not None:
+            self.metrics.read_failure(self.partition_id, replica.replica_id.storage)
+        self.log.warn("partition {pid}: reading records to copy from {storage} failed: {reason}",
+                      pid=self.partition_id, storage=replica.replica_id.storage, reason=failure.getErrorMessage())
 
     def _offer_ushers(self):
         self._cancel_usher_timer()
@@ -424,29 +439,25 @@ def electorate_of(metadata, assigned) -> frozenset:
 
 
 @defer.inlineCallbacks
-def copy_records(source_for, target, first, last, batch_size=CATCH_UP_BATCH_SIZE):
+def copy_records(read, target, first, last, batch_size=CATCH_UP_BATCH_SIZE):
     """Copy records ``first``..``last`` to the replica ``target``, reading one batch ahead.
 
-    ``source_for(first)`` fires with a replica holding the records from
-    ``first`` on. Fires with ``last`` once everything is appended.
+    ``read(start, count)`` fires with the checked records from ``start`` on, at most ``count`` of
+    them (see :func:`~waltz.recovery.replica_reads.read_from_any`). Fires with ``last`` once
+    everything is appended.
     """
-    def read(start):
-        d = source_for(start)
-        return d.addCallback(lambda source: source.get_records(start, min(batch_size, last - start + 1)))
+    def read_from(start):
+        return read(start, min(batch_size, last - start + 1))
 
-    next_read = read(first) if first <= last else None
+    next_read = read_from(first) if first <= last else None
     copied = first - 1
     try:
         while copied < last:
             records, next_read = (yield next_read), None
-            if not records:
-                raise RecoveryAborted("no replica returned records after %d" % copied)
-            if records[0].transaction_id != copied + 1:
-                raise RecoveryAborted("expected record %d, got %d" % (copied + 1, records[0].transaction_id))
             following = records[-1].transaction_id + 1
             if following <= last:
-                next_read = read(following)
-            yield target.append(tuple(records))
+                next_read = read_from(following)
+            yield target.append(records)
             copied = records[-1].transaction_id
     finally:
         if next_read is not None:

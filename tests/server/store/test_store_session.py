@@ -14,6 +14,7 @@ from zope.interface.verify import verifyClass, verifyObject
 from waltz.interfaces import IPartitionMetadataStore, IReplicaSession, IStorePartition
 from waltz.metrics import Registry
 from waltz.protocols.values import Record, ReqId, checksum
+from waltz.recovery.replica_reads import NoReplicaCouldRead
 from waltz.server.store.metrics import StoreMetrics
 from waltz.server.store.partition import AppendFailed, StorePartition
 from waltz.server.store.replica import ReplicaSession
@@ -37,6 +38,7 @@ class DummyReplica:
         self.manual = manual
         self.pending = []
         self.calls = []
+        self.read_error = None     # set: reads fail with it
         self._disconnect = []
 
     def when_connected(self):
@@ -83,6 +85,9 @@ class DummyReplica:
         d.errback(OSError("disk on fire"))
 
     def get_records(self, transaction_id, max_records):
+        self.calls.append(("get_records", transaction_id))
+        if self.read_error is not None:
+            return defer.fail(self.read_error)
         return defer.succeed(tuple(self.log[transaction_id:transaction_id + max_records]))
 
     def get_headers(self, transaction_id, max_records):
@@ -303,14 +308,14 @@ def test_a_replica_that_left_is_not_read_from_while_the_batches_in_flight_settle
     session = started(h)
     session.max_outstanding_batches = 2
     a, b, c = (session.replicas_by_name[s] for s in STORAGES)
-    assert session.reader() is a
+    assert session.readers() == [a, b, c]
     for n in range(2):
         session.write(records(n, 1))
         b.ack()
         c.ack()                                # committed on b and c; a is slow: 2 outstanding
     last = session.write(records(2, 1))        # not sent to a, which fell behind: it leaves after this batch
     assert session.state is SessionState.WRITING
-    assert session.reader() is b               # a lacks committed batches: never read from it
+    assert session.readers() == [b, c]          # a lacks committed batches: never read from it
     b.ack()
     c.ack()
     assert last.called and session.state is SessionState.CLOSED
@@ -491,3 +496,64 @@ def test_a_batch_stops_short_of_the_storages_frame_limit():
     assert a.calls[-1] == ("append", (5,))
     a.ack(), b.ack()
     assert last.result == 5
+
+
+class CorruptingReplica(DummyReplica):
+    """Stores what it is sent, but hands back transaction ``bad`` with data that fails its checksum."""
+
+    bad = 1
+
+    def get_records(self, transaction_id, max_records):
+        return super().get_records(transaction_id, max_records).addCallback(
+            lambda got: tuple(r if r.transaction_id != self.bad else Record(r.transaction_id, r.req_id, r.header,
+                                                                           b"rot", r.checksum) for r in got))
+
+
+def partition_with_committed(h, count):
+    partition = StorePartition(0, 1, h.factory, h.clock)
+    partition.open()
+    done = [partition.append(ReqId(1, 1, 0, n), 0, b"r%d" % n, checksum(b"r%d" % n)) for n in range(count)]
+    assert [d.result for d in done] == list(range(count))
+    return partition, [h.sessions[-1].replicas_by_name[s] for s in STORAGES]
+
+
+def test_a_read_the_first_replica_fails_is_served_by_the_next_and_the_failing_one_is_asked_last():
+    h = Harness()
+    partition, (a, b, c) = partition_with_committed(h, 3)
+    a.read_error = OSError("I/O error reading a segment")
+    got = partition.get_records(0, 10)
+    assert [r.data for r in got.result] == [b"r0", b"r1", b"r2"]
+    assert ("get_records", 0) in a.calls and ("get_records", 0) in b.calls
+    assert h.sessions[-1].readers() == [b, c, a]
+    assert 'waltz_server_replica_read_failures_total{partition="0",storage="a:1"} 1' in h.registry.prometheus_text()
+    a.calls.clear()
+    assert partition.get_record(2).result.data == b"r2" and not a.calls    # b serves it: a is not asked
+
+
+def test_a_record_failing_its_checksum_on_one_replica_is_read_from_another():
+    h = Harness()
+    partition, (a, b, c) = partition_with_committed(h, 3)
+    a.__class__ = CorruptingReplica
+    assert [r.data for r in partition.get_records(0, 3).result] == [b"r0", b"r1", b"r2"]
+    assert h.sessions[-1].readers() == [b, c, a]
+
+
+def test_a_read_no_replica_can_serve_fails_naming_each_replica():
+    h = Harness()
+    partition, replicas = partition_with_committed(h, 2)
+    for n, replica in enumerate(replicas):
+        replica.read_error = OSError("disk %d gone" % n)
+    read = partition.get_records(0, 2)
+    failure = read.result
+    read.addErrback(lambda f: None)
+    assert isinstance(failure.value, NoReplicaCouldRead)
+    assert all(s in str(failure.value) and "disk %d gone" % n in str(failure.value) for n, s in enumerate(STORAGES))
+
+
+def test_a_joining_replica_copies_from_the_next_replica_when_the_first_fails_the_read():
+    session, replicas, clock = session_with_a_flaky_join()
+    replicas["c:1"].failures = 0
+    replicas["a:1"].read_error = OSError("I/O error")
+    clock.advance(0.5)
+    assert set(session.joined) == {"a:1", "b:1", "c:1"}
+    assert [r.transaction_id for r in replicas["c:1"].log] == list(range(5))

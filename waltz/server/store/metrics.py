@@ -1,11 +1,11 @@
-"""Metrics of the store layer: recovery state transitions, sessions, commits."""
+"""Metrics of the store layer: recovery state transitions, batch sizes, replica reads that failed."""
 
 from waltz.metrics import SIZE_BUCKETS
 from waltz.recovery.manager import PartitionRecoveryState
 
 
 class StoreMetrics:
-    """Recovery transitions (per partition and state), sessions started, batches committed."""
+    """Recovery transitions (per partition and state), batch sizes, replica reads that failed over."""
 
     _STATE_CODES = {state.value: code for code, state in enumerate(PartitionRecoveryState)}
 
@@ -22,6 +22,10 @@ class StoreMetrics:
         self.batch_size = registry.histogram(
             "waltz_server_store_batch_transactions", "transactions per replicated batch", ("partition",),
             SIZE_BUCKETS)
+        self.read_failures = registry.counter(
+            "waltz_server_replica_read_failures_total",
+            "reads a replica failed (the next replica was asked): a damaged disk or a stuck storage",
+            ("partition", "storage"))
 
     def recovery_transition(self, partition_id, state):
         self.recovery_transitions.inc(1, partition_id, state)
@@ -29,3 +33,6 @@ class StoreMetrics:
 
     def replica_transition(self, partition_id, state):
         self.replica_transitions.inc(1, partition_id, state)
+
+    def read_failure(self, partition_id, storage):
+        self.read_failures.inc(1, partition_id, storage)

@@ -23,6 +23,7 @@ from zope.interface import implementer
 from waltz.interfaces import IStorePartition
 from waltz.protocols.framing import MAX_BATCH_DATA_SIZE
 from waltz.protocols.values import Record
+from waltz.recovery.replica_reads import HEADERS, RECORDS
 from waltz.server.store.session import SessionClosed, SessionState
 from waltz.zk.errors import GenerationMismatchError
 
@@ -110,23 +111,24 @@ class StorePartition:
         self._listeners.append(listener)
 
     def get_records(self, transaction_id, max_records):
-        return self._read("get_records", transaction_id, max_records)
+        return self._read(RECORDS, transaction_id, max_records)
 
     def get_headers(self, transaction_id, max_records):
-        return self._read("get_headers", transaction_id, max_records)
+        return self._read(HEADERS, transaction_id, max_records)
 
     def get_record(self, transaction_id):
         d = self.get_records(transaction_id, 1)
         return d.addCallback(lambda records: records[0] if records else None)
 
-    def _read(self, method, transaction_id, max_records):
+    def _read(self, what, transaction_id, max_records):
+        """Committed records from ``transaction_id`` on (at most ``max_records``), from whichever
+        replica of the session serves them (see :mod:`waltz.recovery.replica_reads`)."""
         count = min(max_records, self.high_water_mark - transaction_id + 1)
         if count <= 0 or transaction_id < 0:
             return defer.succeed(())
-        replica = self.session.reader() if self.session is not None else None
-        if replica is None:
-            return defer.fail(AppendFailed("partition %d has no readable replica right now" % self.partition_id))
-        return getattr(replica, method)(transaction_id, count).addCallback(tuple)
+        if self.session is None:
+            return defer.fail(AppendFailed("partition %d has no store session right now" % self.partition_id))
+        return self.session.read(what, transaction_id, count)
 
     # -- sessions ----------------------------------------------------------------------------
 

@@ -25,12 +25,14 @@ the store partition starts a new session with its own recovery.
 
 import collections
 import enum
+import itertools
 
 import attr
 from twisted.internet import defer
 from twisted.logger import Logger
 
 from waltz.recovery.manager import RecoveryAborted, RecoveryManager, SessionFenced, copy_records
+from waltz.recovery.replica_reads import RECORDS, read_from_any
 from waltz.recovery.voting import quorum_of
 from waltz.zk.znodes import UNRESOLVED, ReplicaState
 
@@ -98,6 +100,8 @@ class StoreSession:
         self._batches = collections.deque()
         self._holders = 0          # joins holding new batches until they are admitted
         self._left = set()         # joined replicas that left (kept in joined until the batches in flight settle)
+        self._read_failures = {}   # storage -> when it last failed a read (a counter): asked last
+        self._failure_order = itertools.count()
         self._idle_waiters = []
         self._writable_listeners = []
 
@@ -172,7 +176,7 @@ class StoreSession:
                     yield self._idle()
                     self._check_writing()
                 if copied < self.high_water_mark:
-                    copied = yield copy_records(self._source_for, replica, copied + 1, self.high_water_mark)
+                    copied = yield copy_records(self.read_records, replica, copied + 1, self.high_water_mark)
                     continue
                 if holding:
                     break
@@ -195,12 +199,6 @@ class StoreSession:
     def _check_writing(self):
         if self.state is not SessionState.WRITING:
             raise RecoveryAborted("session %d is %s" % (self.session_id, self.state.value))
-
-    def _source_for(self, first):
-        reader = self.reader()
-        if reader is None:
-            return defer.fail(RecoveryAborted("no joined replica to copy from"))
-        return defer.succeed(reader)
 
     def _idle(self):
         """Fires when no batch is in flight."""
@@ -310,12 +308,30 @@ class StoreSession:
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def reader(self):
-        """A connected joined replica to read committed records from, or ``None``."""
-        for storage, replica in sorted(self.joined.items()):
-            if replica.connected and storage not in self._left:
-                return replica
-        return None
+    def readers(self) -> list:
+        """The replicas to read committed records from, in the order to ask them: the connected joined
+        replicas that have not left, those that failed a read last (in the order they failed)."""
+        usable = [(self._read_failures.get(storage, -1), storage, replica)
+                  for storage, replica in self.joined.items() if replica.connected and storage not in self._left]
+        return [replica for _, _, replica in sorted(usable, key=lambda entry: entry[:2])]
+
+    def read(self, what, first, count) -> defer.Deferred:
+        """Committed records (``what`` is :data:`~waltz.recovery.replica_reads.RECORDS` or ``HEADERS``)
+        from ``first`` on, at most ``count``, from the first reader that serves them."""
+        return read_from_any(self.readers(), what, first, count, self._read_failed)
+
+    def read_records(self, first, count) -> defer.Deferred:
+        return self.read(RECORDS, first, count)
+
+    def _read_failed(self, replica, failure):
+        """A replica failed a read: logged, and asked last from now on in this session."""
+        storage = replica.replica_id.storage
+        self._read_failures[storage] = next(self._failure_order)
+        if self.metrics is not None:
+            self.metrics.read_failure(self.partition_id, storage)
+        self.log.warn("partition {pid} store session {sid}: read from {storage} failed: {reason}; asking the "
+                      "next replica", pid=self.partition_id, sid=self.session_id, storage=storage,
+                      reason=failure.getErrorMessage())
 
     # -- closing ---------------------------------------------------------------------------------
 
