@@ -20,6 +20,7 @@ from waltz.local.daemons import free_port
 from waltz.protocols import admin_messages as am
 from waltz.protocols import storage_messages as sm
 from waltz.zk.metadata import ClusterMetadata
+from waltz.zk.znodes import UNRESOLVED, PartitionMetadata, ReplicaId, ReplicaState
 
 pytestmark = pytest.mark.integration
 
@@ -178,6 +179,28 @@ def test_remove_partition_refuses_to_delete_files_zookeeper_still_assigns_to_the
     for args in (["-p", "0-2", "--delete-files", "--force"], ["-p", "1"], ["-p", "0", "--delete-files"]):
         assert " is unreachable: " in refused("storage", "remove-partition", "-s", node, *args, "--timeout", "2",
                                               *cluster)
+
+
+@pytest_twisted.ensureDeferred
+async def test_remove_partition_refuses_to_delete_files_a_last_session_still_counts_on(cluster, cluster_root,
+                                                                                     zk_client):
+    # Unassigned, but partition 1's last session recorded the node's replica as a member (unresolved): it may
+    # hold acknowledged transactions another replica lacks. Partition 2 resolved it (a later session went on
+    # without it), and partition 0 never had a session.
+    node = "127.0.0.1:%d" % free_port()
+    await cli("cluster", "add-storage", "--storage", node, "--admin-port", str(free_port()), "--group", "0", *cluster)
+    metadata = ClusterMetadata(zk_client, cluster_root)
+    for pid, closing_mark in ((1, UNRESOLVED), (2, 41)):
+        state = ReplicaState(ReplicaId(pid, node), 3, closing_mark)
+        await metadata.update_partition_metadata(pid, lambda m, s=state: PartitionMetadata(1, 3, (s,)))
+    line = await cli_refused("storage", "remove-partition", "-s", node, "-p", "0-2", "--delete-files", *cluster)
+    assert line == (
+        "waltz: error: refusing to delete the files of partitions 1 on storage node %s: their last store session "
+        "(%s/store/partition/<id>) still counts its replica as a member, and recovery may need its vote and data; "
+        "wait until a server has opened a new session of each without it (or use --force)" % (node, cluster_root))
+    for args in (["-p", "0-2", "--delete-files", "--force"], ["-p", "0,2", "--delete-files"]):
+        assert " is unreachable: " in await cli_refused("storage", "remove-partition", "-s", node, *args,
+                                                        "--timeout", "2", *cluster)
 
 
 @pytest_twisted.ensureDeferred

@@ -20,6 +20,7 @@ from waltz.protocols import storage_messages as sm
 from waltz.protocols.rpc import (AdminClientProtocol, ConnectionClosed, RemoteError, RequestClientFactory,
                                  StorageClientProtocol)
 from waltz.zk.topology import format_ids
+from waltz.zk.znodes import ReplicaId
 
 #: Seconds to wait for a storage node to accept a connection or answer a request.
 DEFAULT_TIMEOUT = 10.0
@@ -153,6 +154,7 @@ class StoreView:
     store: object
     topology: object
     timeout: float
+    metadata: object       # the ClusterMetadata it was read from, for reads some subcommands make
 
     @classmethod
     @defer.inlineCallbacks
@@ -161,7 +163,7 @@ class StoreView:
         from twisted.internet import reactor
         store = yield metadata.store_params()
         topology = yield metadata.topology()
-        return cls(reactor, metadata.paths.root, store, topology.value, timeout)
+        return cls(reactor, metadata.paths.root, store, topology.value, timeout, metadata)
 
     def storages(self):
         """Storage nodes listed in <root>/store/connection, sorted."""
@@ -190,6 +192,18 @@ class StoreView:
     def assigned_in_zookeeper(self, storage):
         """The partitions <root>/store/assignment gives ``storage``, sorted."""
         return tuple(sorted(self.topology.partitions_of(storage)))
+
+    @defer.inlineCallbacks
+    def last_session_member_of(self, storage, ids):
+        """Fires with those of ``ids`` whose metadata (<root>/store/partition/<id>) records ``storage``'s replica
+        as an unresolved member of the last store session: recovery may still need its vote and data."""
+        members = []
+        for pid in ids:
+            versioned = yield self.metadata.partition_metadata(pid)
+            state = versioned.value.replica_state(ReplicaId(pid, storage)) if versioned is not None else None
+            if state is not None and not state.is_resolved:
+                members.append(pid)
+        return members
 
 
 @defer.inlineCallbacks
@@ -264,20 +278,29 @@ def _add_partition(view, args):
 def _remove_partition(view, args):
     ids = view.partitions(args.partitions)
     if args.delete_files and not args.force:
-        _refuse_deleting_assigned(view, args.storage, ids)
+        yield _refuse_deleting_needed(view, args.storage, ids)
     yield using(view.client(args.storage), lambda client: client.assign(ids, False, args.delete_files))
     print("unassigned partitions %s on storage node %s%s" % (
         format_ids(ids), args.storage, " and deleted their files" if args.delete_files else ""))
 
 
-def _refuse_deleting_assigned(view, storage, ids):
-    """:class:`CliError` when ZooKeeper's store assignment still gives ``storage`` one of ``ids``:
-    deleting those files would destroy a replica the cluster counts on."""
+@defer.inlineCallbacks
+def _refuse_deleting_needed(view, storage, ids):
+    """:class:`CliError` when deleting the files of one of ``ids`` on ``storage`` would destroy a replica the
+    cluster counts on: ZooKeeper's store assignment still gives it to the node, or the partition's last store
+    session still counts the node's replica among its members (recovery may need its vote and data, until a
+    server has recovered the partition without it)."""
     assigned = sorted(set(ids) & set(view.assigned_in_zookeeper(storage)))
     if assigned:
         raise CliError("refusing to delete the files of partitions %s on storage node %s: %s/store/assignment "
                        "still assigns them to it; run 'waltz cluster unassign' first (or use --force)"
                        % (format_ids(assigned), storage, view.root))
+    members = yield view.last_session_member_of(storage, ids)
+    if members:
+        raise CliError("refusing to delete the files of partitions %s on storage node %s: their last store session "
+                       "(%s/store/partition/<id>) still counts its replica as a member, and recovery may need its "
+                       "vote and data; wait until a server has opened a new session of each without it "
+                       "(or use --force)" % (format_ids(members), storage, view.root))
 
 
 @defer.inlineCallbacks
@@ -328,9 +351,11 @@ def _remove_partition_options(parser):
     _partitions_options(parser)
     parser.add_argument("--delete-files", "-d", action="store_true",
                         help="also delete the partitions' files and reset their control-file records "
-                             "(refused while ZooKeeper's store assignment gives the node one of them)")
+                             "(refused while ZooKeeper's store assignment gives the node one of them, or a "
+                             "partition's last store session still counts the node's replica as a member)")
     parser.add_argument("--force", "-f", action="store_true",
-                        help="with --delete-files: delete even partitions ZooKeeper still assigns to the node")
+                        help="with --delete-files: delete even partitions ZooKeeper still assigns to the node "
+                             "or counts on")
 
 
 def _availability_options(parser):
