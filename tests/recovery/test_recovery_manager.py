@@ -4,7 +4,7 @@ from twisted.internet import defer
 from twisted.internet.task import Clock
 
 from tests.server.store.test_store_session import DummyMetadata, DummyReplica, records
-from waltz.recovery.manager import RecoveryManager, electorate_of
+from waltz.recovery.manager import RecoveryAborted, RecoveryManager, electorate_of
 from waltz.zk.znodes import UNRESOLVED, PartitionMetadata, ReplicaId, ReplicaState
 
 FIVE = ("a:1", "b:1", "c:1", "d:1", "e:1")
@@ -52,7 +52,7 @@ def test_replicas_waiting_for_one_to_copy_from_share_one_retry_timer():
     for s, gate in gates.items():
         replicas[s].when_connected = lambda gate=gate, replica=replicas[s]: gate.addCallback(lambda _: replica)
     manager = RecoveryManager(0, metadata.value, replicas, metadata, clock, retry_interval=0.5)
-    manager.run()
+    result = manager.run()
     assert manager.high_water_mark == 10  # a, b, c decide
     for s in ("a:1", "b:1", "c:1"):
         replicas[s].connected = False      # the server loses them before d and e copy
@@ -68,6 +68,8 @@ def test_replicas_waiting_for_one_to_copy_from_share_one_retry_timer():
     assert len(replicas["d:1"].log) == len(replicas["e:1"].log) == 11
     manager.stop()
     assert clock.getDelayedCalls() == []
+    assert isinstance(result.result.value, RecoveryAborted)    # stopped before a, b and c recovered
+    result.addErrback(lambda f: None)
 
 
 def wiped_member(logs):
