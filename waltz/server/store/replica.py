@@ -157,6 +157,7 @@ class ReplicaSession:
         self._connection = connection
         self._protocol = None
         self._disconnect_callbacks = []
+        self._waiters = []         # when_open() Deferreds of when_connected() calls not answered yet
         self._closed = False
         connection.add_close_listener(self._connection_closed)
 
@@ -173,9 +174,19 @@ class ReplicaSession:
             return defer.fail(ReplicaUnavailable("replica session %s is closed" % (self.storage,)))
         if self.connected:
             return defer.succeed(self)
-        return self._connection.when_open().addCallback(self._bind)
+        waiter = self._connection.when_open()
+        self._waiters.append(waiter)
+        waiter.addBoth(self._waited, waiter)
+        return waiter.addCallback(self._bind)
+
+    def _waited(self, result, waiter):
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+        return result
 
     def _bind(self, protocol):
+        if self._closed:
+            raise ReplicaUnavailable("replica session %s is closed" % (self.storage,))
         self._protocol = protocol
         return self
 
@@ -190,11 +201,15 @@ class ReplicaSession:
                 callback(self)
 
     def close(self):
-        """Stop using the connection (it stays open for other sessions)."""
+        """Stop using the connection (it stays open for other sessions); a wait for it to open is
+        cancelled (a node down for long would otherwise keep one waiter per closed session)."""
         self._closed = True
         self._protocol = None
         self._disconnect_callbacks = []
         self._connection.remove_close_listener(self._connection_closed)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            waiter.cancel()
 
     def _request(self, cls, *fields):
         if not self.connected:
