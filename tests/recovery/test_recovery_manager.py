@@ -72,7 +72,7 @@ def test_replicas_waiting_for_one_to_copy_from_share_one_retry_timer():
     result.addErrback(lambda f: None)
 
 
-def wiped_member(logs):
+def wiped_member(logs, clock=None):
     """Session 1's members ``logs`` (storage -> records); c forgot the session (its data was wiped and it
     was assigned back, or restored from an old copy): its storage reports no session at all."""
     metadata = DummyMetadata()
@@ -80,7 +80,7 @@ def wiped_member(logs):
     replicas = {s: DummyReplica(s, 2, log) for s, log in logs.items()}
     for storage, replica in replicas.items():
         replica.last_session = (1, -1, -1) if storage != "c:1" else (-1, -1, -1)
-    return RecoveryManager(0, metadata.value, replicas, metadata, Clock())
+    return RecoveryManager(0, metadata.value, replicas, metadata, clock or Clock(), retry_interval=0.5)
 
 
 def test_a_member_that_forgot_its_session_does_not_vote_away_acknowledged_transactions():
@@ -88,11 +88,16 @@ def test_a_member_that_forgot_its_session_does_not_vote_away_acknowledged_transa
     # wiped c made 15 the closing mark and a was cut back to it: 16..20 lost.
     full = records(0, 21)
     logs = {"a:1": list(full), "b:1": list(full[:16]), "c:1": []}
-    manager = wiped_member(logs)
+    clock = Clock()
+    manager = wiped_member(logs, clock)
     result = manager.run()
     assert not result.called, "undecidable without c: c may have held 16..20 (it did)"
     assert manager.recoveries["c:1"].vote is None and manager.recoveries["c:1"].abstains
-    assert len(logs["a:1"]) == 21
+    # No vote can come any more: b copies 16..20 from a and votes 20, which decides it (seed 000).
+    clock.advance(0.5)
+    assert result.called and result.result.high_water_mark == 20
+    assert all([r.transaction_id for r in log] == list(range(21)) for log in logs.values())
+    assert clock.getDelayedCalls() == []
 
 
 def test_a_member_that_forgot_its_session_is_caught_up_once_the_others_decide():
@@ -120,3 +125,95 @@ def test_a_lagging_replica_is_caught_up_from_the_next_usher_when_one_fails_the_r
     assert result.called and result.result.high_water_mark == 20
     assert [r.transaction_id for r in logs["c:1"]] == list(range(21))
     assert ("get_records", 5) in replicas["a:1"].calls     # asked first, failed, and b served the copy
+
+
+def three_members(logs, manual=()):
+    """Session 1's members a, b, c with ``logs``; b's storage is unreachable until its gate fires."""
+    metadata = DummyMetadata()
+    metadata.value = metadata_with(*((s, 1, UNRESOLVED) for s in ("a:1", "b:1", "c:1")))
+    replicas = {s: DummyReplica(s, 2, logs[s], manual=s in manual) for s in ("a:1", "b:1", "c:1")}
+    for replica in replicas.values():
+        replica.last_session = (1, -1, -1)
+    gate = defer.Deferred()
+    replicas["b:1"].connected = False
+    replicas["b:1"].when_connected = lambda: gate.addCallback(lambda _: replicas["b:1"])
+    return metadata, replicas, gate
+
+
+def open_gate(replica, gate):
+    replica.connected = True
+    gate.callback(None)
+
+
+def test_an_undecidable_vote_is_decided_once_the_replica_behind_copies_from_the_one_ahead():
+    # Seed 000's example: a holds 0..10, c 0..5, b (unreachable) maybe more: 10 may be on b, so it is
+    # undecidable. c copies 6..10 from a and votes 10: a and c now hold 10, a quorum.
+    full = records(0, 16)
+    logs = {"a:1": full[:11], "b:1": list(full), "c:1": full[:6]}
+    metadata, replicas, gate = three_members(logs)
+    clock = Clock()
+    manager = RecoveryManager(0, metadata.value, replicas, metadata, clock, retry_interval=0.5)
+    result = manager.run()
+    assert result.called and result.result.high_water_mark == 10
+    assert [r.transaction_id for r in logs["c:1"]] == list(range(11))
+    assert ("get_records", 6) in replicas["a:1"].calls
+    states = {s.replica_id.storage: (s.session_id, s.closing_high_water_mark) for s in metadata.value.replica_states}
+    assert states == {"a:1": (2, UNRESOLVED), "c:1": (2, UNRESOLVED), "b:1": (1, 10)}
+    open_gate(replicas["b:1"], gate)           # b comes back with 0..15: cut back to the decided 10
+    assert [r.transaction_id for r in logs["b:1"]] == list(range(11))
+    assert clock.getDelayedCalls() == []
+
+
+def test_no_vote_is_raised_while_a_connected_member_may_still_vote():
+    full = records(0, 11)
+    logs = {"a:1": list(full), "b:1": list(full), "c:1": full[:6]}
+    metadata, replicas, gate = three_members(logs)
+    replicas["b:1"].connected = True           # connected, but its session info is slow to come
+    slow = defer.Deferred()
+    replicas["b:1"].last_session_info = lambda: slow
+    clock = Clock()
+    manager = RecoveryManager(0, metadata.value, replicas, metadata, clock, retry_interval=0.5)
+    result = manager.run()
+    gate.callback(None)
+    clock.advance(2)
+    assert not result.called and len(logs["c:1"]) == 6    # b's vote (10, it turns out) may decide without copying
+    slow.callback((1, -1, -1))
+    assert result.called and result.result.high_water_mark == 10
+    assert clock.getDelayedCalls() == []
+
+
+def test_a_resolution_during_the_copy_raising_a_vote_settles_after_it():
+    # c copies 6..10 from a (its appends wait for the test); meanwhile b returns with 0..5: the vote is
+    # decided at 5 (a alone holds 6..10). c settles after its copy ends: cut back to 5, like a.
+    full = records(0, 11)
+    logs = {"a:1": list(full), "b:1": full[:6], "c:1": full[:6]}
+    metadata, replicas, gate = three_members(logs, manual=("c:1",))
+    clock = Clock()
+    manager = RecoveryManager(0, metadata.value, replicas, metadata, clock, retry_interval=0.5)
+    result = manager.run()
+    assert manager.recoveries["c:1"].raising and replicas["c:1"].pending
+    open_gate(replicas["b:1"], gate)
+    assert result.result.high_water_mark == 5 and result.result.recovered == {"a:1", "b:1"}
+    assert manager.recoveries["c:1"].state.value == "raising-vote"
+    background = result.result.background["c:1"]
+    assert not background.called
+    replicas["c:1"].ack()                       # the copy ends; c re-reads what it holds and truncates to 5
+    assert background.result == "c:1"
+    assert all([r.transaction_id for r in log] == list(range(6)) for log in logs.values())
+    assert replicas["c:1"].calls[-2:] == [("truncate", 5), ("set_low_water_mark", 5)]
+    assert clock.getDelayedCalls() == []
+
+
+def test_a_copy_raising_a_vote_that_fails_is_tried_again():
+    full = records(0, 11)
+    logs = {"a:1": list(full), "b:1": [], "c:1": full[:6]}
+    metadata, replicas, _ = three_members(logs)
+    replicas["a:1"].read_error = OSError("I/O error")
+    clock = Clock()
+    manager = RecoveryManager(0, metadata.value, replicas, metadata, clock, retry_interval=0.5)
+    result = manager.run()
+    assert not result.called and manager.recoveries["c:1"].state.value == "voted"
+    replicas["a:1"].read_error = None
+    clock.advance(0.5)
+    assert result.called and result.result.high_water_mark == 10
+    assert clock.getDelayedCalls() == []

@@ -5,7 +5,7 @@ chained Deferreds and whose state changes only through :meth:`_enter`
 (logged, counted in metrics, visible in :attr:`state`):
 
 ``WAITING_FOR_CONNECTION`` → ``READING_SESSION_INFO`` → (``TRUNCATING_INCONSISTENT``
-| ``TRUNCATING_TO_CLOSING_HWM``) → ``VOTED`` → [the partition resolves] →
+| ``TRUNCATING_TO_CLOSING_HWM``) → ``VOTED`` [⇄ ``RAISING_VOTE``] → [the partition resolves] →
 (``TRUNCATING_DIRTY`` | ``CATCHING_UP``) → ``SETTING_LOW_WATER_MARK`` → ``RECOVERED``.
 
 * A replica whose storage disagrees with its replica state in ZooKeeper (the
@@ -27,9 +27,12 @@ chained Deferreds and whose state changes only through :meth:`_enter`
   partition's :class:`RecoveryManager` re-evaluates the vote
   (:mod:`waltz.recovery.voting`) whenever a vote arrives and stays
   ``UNDECIDABLE`` while missing votes, including those of members no longer
-  assigned, could change the outcome.
+  assigned, could change the outcome. Meanwhile the voters behind the highest
+  vote copy up to it from a voter holding it (``RAISING_VOTE``) and vote
+  again: once enough of them hold it, it is decided without the missing
+  replicas (seed 000: it becomes decidable when a replica catches up).
 * Once resolved at R, each replica drops anything after R, copies what it lacks
-  up to R from a replica that holds it (batches of 20), and records R as its
+  up to R from a replica that holds it (batches of 500), and records R as its
   low-water mark for the new session.
 
 Recovery completes when a quorum of the assigned replicas is recovered: the
@@ -62,6 +65,7 @@ class ReplicaRecoveryState(enum.Enum):
     TRUNCATING_INCONSISTENT = "truncating-inconsistent"
     TRUNCATING_TO_CLOSING_HWM = "truncating-to-closing-hwm"
     VOTED = "voted"
+    RAISING_VOTE = "raising-vote"
     TRUNCATING_DIRTY = "truncating-dirty"
     CATCHING_UP = "catching-up"
     SETTING_LOW_WATER_MARK = "setting-low-water-mark"
@@ -117,6 +121,9 @@ class ReplicaRecovery:
         self.abstains = False
         self.max_transaction_id = None
         self.done = defer.Deferred()
+        self._raising = False       # a copy raising the vote is running (see raise_vote)
+        self._raised = False        # a copy raising the vote ran: max_transaction_id may be stale
+        self._raise_waiters = []    # Deferreds fired when the copy raising the vote ends
 
     def _enter(self, state):
         previous, self.state = self.state, state
@@ -178,7 +185,63 @@ class ReplicaRecovery:
         return d
 
     def _await_resolution(self, _):
-        return self.manager.when_resolved()
+        return self.manager.when_resolved().addCallback(self._after_raising)
+
+    # -- raising the vote while the partition is undecidable ---------------------------------------
+
+    @property
+    def raising(self) -> bool:
+        return self._raising
+
+    def raise_vote(self, mark, read):
+        """Copy the records after this replica's vote up to ``mark`` (``read(first, count)`` reads them from
+        the voters holding them), then vote ``mark``. Seed 000: an undecidable vote becomes decidable when a
+        replica behind catches up with one ahead. The members of the last session hold prefixes of one
+        sequence of records, so the copy only gives this replica what it would have held had it received more
+        of that session's batches. Its new vote can commit transactions whose fate nobody was told; it cannot
+        lower the outcome below what a quorum held."""
+        self._raising = self._raised = True
+        self._enter(ReplicaRecoveryState.RAISING_VOTE)
+        d = copy_records(read, self.replica, self.vote + 1, mark)
+        d.addCallbacks(self._vote_raised, self._raise_failed)
+        d.addBoth(self._raise_ended)
+
+    def _vote_raised(self, copied):
+        self.max_transaction_id = max(self.max_transaction_id, copied)
+        self._raise_done()
+        if self.manager.high_water_mark is None and not self.manager.stopped:
+            self.log.info("partition {pid}: replica {storage} copied up to {mark} and votes it",
+                          pid=self.manager.partition_id, storage=self.storage, mark=copied)
+            self.vote = copied
+            self.manager.voted(self)
+
+    def _raise_failed(self, failure):
+        self._raise_done()
+        self.manager.raise_failed(self, failure)
+
+    def _raise_done(self):
+        if self.state is ReplicaRecoveryState.RAISING_VOTE:   # (unless its own steps moved on meanwhile)
+            self._enter(ReplicaRecoveryState.VOTED)
+
+    def _raise_ended(self, _):
+        self._raising = False
+        waiters, self._raise_waiters = self._raise_waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
+
+    def _after_raising(self, high_water_mark):
+        """The resolved mark, once no copy raising the vote runs; what the replica holds is read again if one
+        ran (a copy that failed half-way leaves more than ``max_transaction_id`` says)."""
+        if not self._raised:
+            return high_water_mark
+        if self._raising:
+            waiter = defer.Deferred()
+            self._raise_waiters.append(waiter)
+        else:
+            waiter = defer.succeed(None)
+        waiter.addCallback(lambda _: self.replica.max_transaction_id())
+        waiter.addCallback(self._set_max)
+        return waiter.addCallback(lambda _: high_water_mark)
 
     def _set_max(self, max_id):
         self.max_transaction_id = max_id
@@ -263,6 +326,7 @@ class RecoveryManager:
         self._complete = defer.Deferred()
         self._usher_waiters = []
         self._usher_timer = None
+        self._raise_timer = None
 
     # -- states -------------------------------------------------------------------------------
 
@@ -302,6 +366,7 @@ class RecoveryManager:
             return
         self.stopped = True
         self._cancel_usher_timer()
+        self._cancel_raise_timer()
         failure = RecoveryAborted("recovery of partition %d session %d stopped: %s"
                                   % (self.partition_id, self.session_id, reason))
         waiters = self._usher_waiters + self._resolution_waiters
@@ -324,12 +389,57 @@ class RecoveryManager:
         if not outcome.decided:
             if self.state is not PartitionRecoveryState.UNDECIDABLE or len(votes) == 1:
                 self._enter(PartitionRecoveryState.UNDECIDABLE, outcome.reason)
+            self._raise_lagging_votes()
             return
+        self._cancel_raise_timer()
         self.high_water_mark = outcome.high_water_mark
         self._enter(PartitionRecoveryState.RESOLVED, outcome.reason)
         waiters, self._resolution_waiters = self._resolution_waiters, []
         for waiter in waiters:
             waiter.callback(self.high_water_mark)
+
+    def _raise_lagging_votes(self):
+        """While the vote is undecidable and no vote can still come from a connected replica, the connected
+        voters behind the highest vote copy up to it from the voters holding it
+        (:meth:`ReplicaRecovery.raise_vote`), so that it may become decidable without the missing replicas.
+        Checked at each vote, and every retry interval until resolved (a failed copy is tried again then)."""
+        self._cancel_raise_timer()
+        if self.stopped or self.high_water_mark is not None:
+            return
+        if not self._votes_still_coming():
+            voters = [r for r in self.recoveries.values() if r.vote is not None]
+            top = max(r.vote for r in voters)
+            for recovery in voters:
+                if recovery.vote < top and not recovery.raising and recovery.replica.connected:
+                    self.log.info("partition {pid}: undecidable; replica {storage} copies {first}..{top} from a "
+                                  "voter holding them", pid=self.partition_id, storage=recovery.storage,
+                                  first=recovery.vote + 1, top=top)
+                    recovery.raise_vote(top, lambda first, count, recovery=recovery, top=top:
+                                        self._read_from_voters(recovery, top, first, count))
+        if self.high_water_mark is None and not self.stopped and self._raise_timer is None:
+            self._raise_timer = self.reactor.callLater(self.retry_interval, self._raise_lagging_votes)
+
+    def _votes_still_coming(self) -> bool:
+        """Whether a connected member of the electorate may still vote (it is still being read)."""
+        return any(r.vote is None and not r.abstains and r.replica.connected and r.storage in self.electorate
+                   for r in self.recoveries.values())
+
+    def _read_from_voters(self, recovery, mark, first, count):
+        holders = [other.replica for other in self.recoveries.values()
+                   if other is not recovery and other.vote is not None and other.vote >= mark
+                   and other.replica.connected]
+        return read_from_any(holders, RECORDS, first, count, self._usher_failed)
+
+    def raise_failed(self, recovery, failure):
+        """A copy raising a vote failed; the next check (every retry interval) tries again."""
+        if not self.stopped and self.high_water_mark is None:
+            self.log.info("partition {pid}: replica {storage} could not copy to raise its vote: {reason}; will "
+                          "retry", pid=self.partition_id, storage=recovery.storage, reason=failure.getErrorMessage())
+
+    def _cancel_raise_timer(self):
+        timer, self._raise_timer = self._raise_timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
 
     def when_resolved(self) -> defer.Deferred:
         """Fires with the resolved closing high-water mark (a new Deferred for each caller)."""
