@@ -194,6 +194,16 @@ def test_batch_commits_exactly_at_quorum():
     assert session.state is SessionState.WRITING
 
 
+def test_batch_sizes_are_counted():
+    h = Harness()
+    session = started(h)
+    session.write(records(0, 3))
+    session.write(records(3, 1))
+    text = h.registry.prometheus_text()
+    assert 'waltz_server_store_batch_transactions_count{partition="0"} 2' in text
+    assert 'waltz_server_store_batch_transactions_sum{partition="0"} 4' in text
+
+
 def test_replica_failing_after_quorum_commits_then_closes_the_session():
     h = Harness(manual=True)
     closed = []

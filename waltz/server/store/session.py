@@ -262,6 +262,8 @@ class StoreSession:
             return defer.fail(SessionClosed("session %d is not writable (%s)" % (self.session_id, self.state.value)))
         batch = _Batch(tuple(records))
         self._batches.append(batch)
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(len(batch.records), self.partition_id)
         receivers, behind = [], []
         for storage, replica in sorted(self.joined.items()):
             if self._outstanding[storage] >= self.max_outstanding_batches:
