@@ -217,3 +217,24 @@ def test_a_copy_raising_a_vote_that_fails_is_tried_again():
     clock.advance(0.5)
     assert result.called and result.result.high_water_mark == 10
     assert clock.getDelayedCalls() == []
+
+
+def test_a_replica_that_kept_less_than_asked_when_truncated_is_caught_up():
+    # b holds a dirty 21..25; truncated to the decided 20, its storage keeps only 0..14 (it found damage
+    # below the cut). It used to be recorded as recovered at 20 while holding 0..14.
+    full = records(0, 26)
+    logs = {"a:1": full[:21], "b:1": list(full), "c:1": full[:21]}
+    metadata, replicas, gate = three_members(logs)
+    open_gate(replicas["b:1"], gate)
+    b = replicas["b:1"]
+
+    def damaged_truncate(transaction_id):
+        b.calls.append(("truncate", transaction_id))
+        del b.log[15:]
+        return defer.succeed(len(b.log) - 1)
+    b.truncate = damaged_truncate
+    manager = RecoveryManager(0, metadata.value, replicas, metadata, Clock(), retry_interval=0.5)
+    result = manager.run()
+    assert result.called and result.result.high_water_mark == 20
+    assert [r.transaction_id for r in logs["b:1"]] == list(range(21))
+    assert b.calls[-1] == ("set_low_water_mark", 20)

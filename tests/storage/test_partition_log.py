@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from waltz.storage import fileio as fileio_module
 from waltz.storage import partition_log as partition_log_module
 from waltz.storage import segment as segment_module
-from waltz.storage.errors import RecordChecksumMismatch, StorageClosed, SyncFailed, TransactionIdOutOfSequence
+from waltz.storage.errors import (
+    CorruptedRecord, RecordChecksumMismatch, StorageClosed, SyncFailed, TransactionIdOutOfSequence)
 from waltz.storage.partition_log import PartitionLog
 from waltz.storage.segment import RECORD_OVERHEAD, data_file_name, index_file_name
 
@@ -295,6 +296,23 @@ def test_truncate_into_an_older_segment_recovers_it_first(small_log):
     small_log.truncate(6)
     assert small_log.max_transaction_id == 6
     assert small_log.read_records(0, 100) == small_records(0, 7)
+
+
+def test_truncate_into_an_older_segment_keeps_a_damaged_record_below_the_cut(small_log):
+    # Segment 4 was synced when the log rolled past it: its index is trusted, not rescanned and cut at
+    # the damage (which dropped records up to the cut that were acknowledged). Reads find the damage.
+    small_log.append(small_records(0, 12))   # segments 0, 4, 8
+    path = os.path.join(small_log.directory, data_file_name(4))
+    with open(path, "r+b") as f:
+        f.seek(128 + 60 + 40)                 # a data byte of record 5
+        byte = f.read(1)
+        f.seek(128 + 60 + 40)
+        f.write(bytes([byte[0] ^ 1]))
+    small_log.truncate(6)
+    assert small_log.max_transaction_id == 6
+    assert small_log.read_records(6, 1) == small_records(6, 1)
+    with pytest.raises(CorruptedRecord):
+        small_log.read_records(5, 1)
 
 
 def test_truncate_to_minus_one_empties_the_partition(small_log):

@@ -164,21 +164,45 @@ def test_recovery_after_a_partial_record_at_the_end(tmp_path):
     log.close()
 
 
-def test_recovery_cuts_at_the_first_record_with_a_bad_byte(tmp_path):
-    records = written_log(tmp_path, 20)
-    data_path, index_path = segment_paths(tmp_path)
-    offset = record_offsets(records)[7] + 40  # a data byte of record 7
-    with open(data_path, "r+b") as f:
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 1]))
+
+
+def test_recovery_cuts_a_bad_last_record_the_torn_end_of_a_write(tmp_path):
+    records = written_log(tmp_path, 20)
+    data_path, index_path = segment_paths(tmp_path)
+    flip_byte(data_path, record_offsets(records)[19] + 40)  # a data byte of the last record
     log = open_log(tmp_path)
-    assert log.max_transaction_id == 6
+    assert log.max_transaction_id == 18
     assert "checksum mismatch" in log.recovery.problem
-    assert log.read_records(0, 100) == records[:7]
-    assert read_index(index_path) == record_offsets(records)[:7]
+    assert log.read_records(0, 100) == records[:19]
+    assert read_index(index_path) == record_offsets(records)[:19]
     log.close()
+
+
+def test_recovery_refuses_to_cut_a_damaged_record_followed_by_sound_ones(tmp_path):
+    # Records 8..19 were written after 7, so 7 is not the torn end of a write: they may all have been
+    # acknowledged, and cutting at 7 would make the replica report (and vote) 6.
+    records = written_log(tmp_path, 20)
+    data_path, index_path = segment_paths(tmp_path)
+    flip_byte(data_path, record_offsets(records)[7] + 40)
+    size = os.path.getsize(data_path)
+    with pytest.raises(CorruptedRecord, match="record 7 at offset .* checksum mismatch, but record 8 after it "
+                                              "is sound: damage, not a torn write"):
+        open_log(tmp_path)
+    assert os.path.getsize(data_path) == size and read_index(index_path) == record_offsets(records)
+
+
+def test_recovery_refuses_to_cut_a_damaged_record_the_last_checkpoint_synced(tmp_path):
+    records = written_log(tmp_path, 1005)
+    data_path, _index_path = segment_paths(tmp_path)
+    flip_byte(data_path, record_offsets(records)[999] + 40)   # synced before record 1000 was written
+    with pytest.raises(CorruptedRecord, match="record 999 .* but it was synced"):
+        open_log(tmp_path)
 
 
 @pytest.mark.parametrize("kept_entries", [0, 5, 19])

@@ -86,6 +86,10 @@ class RecoveryAborted(Exception):
     """Recovery stopped: the session was closed, or another session took the partition over."""
 
 
+class RecoveryStepFailed(Exception):
+    """A replica's recovery step did not leave the replica as it should; the step is tried again."""
+
+
 class SessionFenced(RecoveryAborted):
     """The partition metadata names a newer store session than the one recovering."""
 
@@ -255,11 +259,18 @@ class ReplicaRecovery:
     def _settle_at(self, high_water_mark):
         if self.max_transaction_id > high_water_mark:
             self._enter(ReplicaRecoveryState.TRUNCATING_DIRTY)
-            return self._truncate(high_water_mark)
+            return self._truncate(high_water_mark).addCallback(self._truncated_dirty, high_water_mark)
         if self.max_transaction_id < high_water_mark:
             self._enter(ReplicaRecoveryState.CATCHING_UP)
             return self._catch_up(high_water_mark)
         return None
+
+    def _truncated_dirty(self, _, high_water_mark):
+        """A storage that kept less than asked (it found damage) is caught up like any replica behind."""
+        if self.max_transaction_id > high_water_mark:
+            raise RecoveryStepFailed("storage %s still ends at %d after truncation to %d"
+                                     % (self.storage, self.max_transaction_id, high_water_mark))
+        return self._settle_at(high_water_mark)
 
     def _catch_up(self, high_water_mark):
         d = copy_records(lambda first, count: self.manager.read_for(self, first, count), self.replica,

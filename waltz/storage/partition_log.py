@@ -247,7 +247,9 @@ class PartitionLog:
         if cached is not None:
             cached.close()
         segment = self._open_segment(first, read_only=False)
-        segment.recover()  # the newest segment is always a recovered one (cheap: it was synced at roll)
+        # The newest segment is always a recovered one. This one was synced, index included, when the log
+        # rolled past it: its index is trusted whole (a record damaged since is found by reads, not cut here).
+        segment.recover(sealed=True)
         return segment
 
     # -- reading -----------------------------------------------------------------------------

@@ -357,20 +357,35 @@ class Segment:
 
     # -- recovery ----------------------------------------------------------------------------
 
-    def recover(self, local_low_water_mark: int = -1) -> RecoveryReport:
+    def recover(self, local_low_water_mark: int = -1, sealed: bool = False) -> RecoveryReport:
         """Make data and index consistent after an unclean stop, durably.
 
         Index entries below the last checkpoint in the index, and up to
-        ``local_low_water_mark`` (synced when it was set), are trusted. The
-        records after them are rescanned, validating transaction ids and CRCs;
-        their index entries are rewritten, and data and index are truncated at
-        the first bad record.
+        ``local_low_water_mark`` (synced when it was set), are trusted; every
+        entry is when ``sealed`` (the segment was synced, index included, when
+        the log rolled past it). The records after them are rescanned,
+        validating transaction ids and CRCs; their index entries are rewritten,
+        and data and index are truncated at the first bad record, the torn end
+        of a write that was never acknowledged.
+
+        Damage that cannot be such an end raises
+        :class:`~waltz.storage.errors.CorruptedRecord` instead of cutting: a bad
+        last trusted record (everything up to it was synced), or a bad record
+        followed by a sound one (a complete record was written after it). Cutting
+        there would drop records that may have been acknowledged, and the replica
+        would report, and vote with, a shorter log than it was sent.
         """
         self._check_writable()
-        trusted = self._trusted_entries(local_low_water_mark)
+        trusted = self._index.count if sealed else self._trusted_entries(local_low_water_mark)
         offset, txn = self._scan_start(trusted)
         scanner = RecordScanner(self.data_path, offset, txn)
         offsets = [scanned.offset for scanned in scanner]
+        if scanner.problem is not None:
+            last_trusted = self.first_transaction_id + trusted - 1
+            if scanner.next_transaction_id <= last_trusted:
+                raise CorruptedRecord("%s: %s, but it was synced: damage, not a torn write; refusing to cut the "
+                                      "log there" % (self.data_path, scanner.problem))
+            self._check_torn_end(scanner.end_offset, scanner.next_transaction_id, scanner.problem)
         start = txn - self.first_transaction_id
         self._index.write(start, offsets)
         self._index.truncate(start + len(offsets))  # also drops a torn trailing entry
@@ -390,17 +405,34 @@ class Segment:
         return min(max(trusted, 0), count)
 
     def _scan_start(self, trusted: int):
-        """Offset and transaction id after the last trusted entry; the segment start if it is not sound."""
+        """Offset and transaction id after the last trusted entry; the segment start if it is not sound
+        (a damaged index entry: the full rescan must then get past it, see :meth:`recover`)."""
         if trusted > 0:
             txn = self.first_transaction_id + trusted - 1
             offset = self._index.offset(trusted - 1)
             try:
                 _record, size = self._read_at(offset, txn)
             except BadRecord:
-                pass  # a damaged trusted area: fall back to a full rescan
+                pass
             else:
                 return offset + size, txn + 1
         return FILE_HEADER_SIZE, self.first_transaction_id
+
+    def _check_torn_end(self, offset: int, txn: int, problem: str) -> None:
+        """:class:`CorruptedRecord` when the bad record at ``offset`` is followed by a sound record ``txn + 1``."""
+        head = pread_upto(self._data_fd, RECORD_HEADER_SIZE, offset)
+        if len(head) < RECORD_HEADER_SIZE:
+            return
+        length = _RECORD_HEADER.unpack_from(head)[6]
+        following = offset + RECORD_OVERHEAD + length
+        if length < 0 or following >= self._data_size:
+            return
+        try:
+            self._read_at(following, txn + 1)
+        except BadRecord:
+            return      # nothing sound after it: the torn end of an unacknowledged write
+        raise CorruptedRecord("%s: %s, but record %d after it is sound: damage, not a torn write; refusing to cut "
+                              "the log there" % (self.data_path, problem, txn + 1))
 
     def _read_at(self, offset: int, txn: int):
         head = pread_upto(self._data_fd, RECORD_HEADER_SIZE, offset)
