@@ -130,6 +130,44 @@ def test_execute_returning_false_or_raising_ends_without_append(harness):
     assert broken.events == ["execute", ("exception", "KeyError")]
 
 
+class FieldSetDirectly(RecordingContext):
+    """Sets a builder field directly, bypassing the setter's checks."""
+
+    def __init__(self, field, value):
+        super().__init__()
+        self.field, self.value = field, value
+
+    def execute(self, builder):
+        proceed = super().execute(builder)
+        setattr(builder, self.field, self.value)
+        return proceed
+
+
+@pytest.mark.parametrize("field, value", [("header", 1.5), ("data", "text"), ("write_locks", [("a", 1)]),
+                                          ("read_locks", (2 ** 40,))])
+def test_a_field_that_cannot_go_on_the_wire_ends_the_context_and_sends_nothing(harness, field, value):
+    # It used to fail in the encoder after the append was registered as sent: execute raised to its caller,
+    # and the retries that followed (inside the stream handler) closed the stream connection again and again.
+    client = harness.client()
+    context = FieldSetDirectly(field, value)
+    result = outcome(client.execute(context))
+    assert result.outcome is Outcome.FAILED and isinstance(result.error, TypeError)
+    assert context.events == ["execute", ("exception", "TypeError")]
+    harness.clock.advance(30)
+    harness.settle()
+    assert harness.server_a.messages(m.AppendRequest) == [] and context.executions == 1
+    d = client.execute(RecordingContext(header=3))
+    harness.settle()
+    assert outcome(d).outcome is Outcome.COMMITTED          # the stream connection is fine
+
+
+def test_set_header_refuses_a_value_that_is_not_an_int(harness):
+    client = harness.client()
+    context = RecordingContext(header=1.5)
+    result = outcome(client.execute(context))
+    assert result.outcome is Outcome.FAILED and "signed 32-bit int, got float 1.5" in str(result.error)
+
+
 def test_a_bad_partition_id_fails_the_execution(harness):
     client = harness.client()
     result = outcome(client.execute(RecordingContext(partition=5)))

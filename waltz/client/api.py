@@ -57,10 +57,24 @@ def lock_hashes(locks) -> tuple:
 def _lock_list(locks, kind: str) -> tuple:
     """:func:`lock_hashes` of one kind of a transaction's locks; :class:`ValueError` over the limit."""
     hashes = lock_hashes(locks)
+    _check_lock_hashes(hashes, kind)
+    return hashes
+
+
+def _check_header(header):
+    if type(header) is not int:
+        raise TypeError("a transaction header is a signed 32-bit int, got %s %r" % (type(header).__name__, header))
+    if not -2 ** 31 <= header < 2 ** 31:
+        raise ValueError("a transaction header is a signed 32-bit int, got %d" % header)
+
+
+def _check_lock_hashes(hashes, kind):
+    """Lock hashes as :func:`lock_hashes` makes them (use the setters): a tuple of 32-bit ints."""
+    if not isinstance(hashes, tuple) or any(type(h) is not int or not -2 ** 31 <= h < 2 ** 31 for h in hashes):
+        raise TypeError("the %s locks must be set with set_%s_locks, got %r" % (kind, kind, hashes))
     if len(hashes) > MAX_LOCKS_PER_KIND:
         raise ValueError("%d %s locks are over the limit of %d per transaction"
                          % (len(hashes), kind, MAX_LOCKS_PER_KIND))
-    return hashes
 
 
 # --- serializers -------------------------------------------------------------------------------
@@ -125,8 +139,7 @@ class TransactionBuilder:
 
     def set_header(self, header: int):
         """Application-defined 32-bit metadata delivered with the feed (no data fetch needed)."""
-        if not -2 ** 31 <= header < 2 ** 31:
-            raise ValueError("a transaction header is a signed 32-bit int, got %d" % header)
+        _check_header(header)
         self.header = header
 
     def set_transaction_data(self, value, serializer=None):
@@ -148,9 +161,15 @@ class TransactionBuilder:
         self.append_locks = _lock_list(locks, "append")
 
     def build_request(self) -> AppendRequest:
-        """The append request (data defaults to empty bytes); :class:`ValueError` when the data is
-        larger than a transaction may carry (``MAX_TRANSACTION_DATA_SIZE``, 15 MiB)."""
+        """The append request (data defaults to empty bytes). :class:`TypeError` or :class:`ValueError`
+        when a field cannot go on the wire (set directly instead of through the setters, which check
+        them), or the data is larger than a transaction may carry (``MAX_TRANSACTION_DATA_SIZE``, 15 MiB)."""
+        _check_header(self.header)
         data = self.data if self.data is not None else b""
+        if type(data) is not bytes:
+            raise TypeError("transaction data must be bytes (use set_transaction_data), got %s" % type(data).__name__)
+        for kind, hashes in (("write", self.write_locks), ("read", self.read_locks), ("append", self.append_locks)):
+            _check_lock_hashes(hashes, kind)
         if len(data) > MAX_TRANSACTION_DATA_SIZE:
             raise ValueError("transaction data of %d bytes is over the limit of %d bytes (%d MiB)"
                              % (len(data), MAX_TRANSACTION_DATA_SIZE, MAX_TRANSACTION_DATA_SIZE // 2 ** 20))

@@ -620,11 +620,12 @@ class ClientPartition:
                 submission.ignored()
                 return
             request = builder.build_request()
+            self.stream.send(request)
         except Exception:
+            # Nothing was sent (a request that cannot be encoded fails before any byte is written).
             self._execute_failed(Failure(), submission)
             return
         self.monitor.register(request.req_id, submission)
-        self.stream.send(request)
 
     def _build_failed_later(self, failure, submission):
         self._building.discard(submission)
