@@ -630,6 +630,18 @@ def test_high_water_marks_name_the_partitions_that_do_not_answer(harness):
     assert d.result == {0: -1}
 
 
+def test_high_water_mark_requests_that_timed_out_are_forgotten(harness):
+    # A monitoring loop asking with a timeout for a partition served nowhere used to add a waiter each time.
+    client = harness.client()
+    harness.discovery.move(1, None, 0)
+    harness.settle()
+    for _ in range(5):
+        d = client.high_water_marks([1], timeout=1)
+        harness.settle(1.1)
+        d.addErrback(lambda failure: failure.trap(HighWaterMarkTimeout))
+    assert client._partitions[1]._hwm_waiters == []
+
+
 # --- partitions chosen by the application ---------------------------------------------------------
 
 def test_set_partitions_mounts_only_the_chosen_ones(harness):

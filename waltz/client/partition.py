@@ -729,11 +729,15 @@ class ClientPartition:
         """A Deferred firing with the partition's current high-water mark, asked over RPC."""
         if self.state is PartitionState.CLOSED:
             return defer.fail(ClientClosedError("the Waltz client is closed"))
-        d = defer.Deferred()
+        d = defer.Deferred(self._forget_hwm_waiter)    # a caller's timeout cancels it: forget it then
         self._hwm_waiters.append(d)
         if len(self._hwm_waiters) == 1:
             self._send_hwm_request()
         return d
+
+    def _forget_hwm_waiter(self, waiter):
+        if waiter in self._hwm_waiters:
+            self._hwm_waiters.remove(waiter)
 
     def _send_hwm_request(self):
         self._hwm_sent_at = self._clock.seconds()
