@@ -110,6 +110,20 @@ def test_a_failure_before_the_commit_applies_nothing(bank):
     assert state(bank.path) == (105, 0)
 
 
+def test_a_broken_database_connection_is_replaced_by_the_next_call(bank):
+    # The database restarted or the network was cut: the connection is dead. It used to be kept, and every
+    # apply and high-water-mark read failed (retried for ever) until the process restarted.
+    bank.get_client_high_water_mark(0)
+    assert bank.apply_transaction(transaction(0, 5)).result is True
+    bank._connection.close()
+    failures = []
+    bank.apply_transaction(transaction(1, 5)).addErrback(failures.append)
+    assert failures and failures[0].check(sqlite3.ProgrammingError)
+    assert bank.apply_transaction(transaction(1, 5)).result is True
+    assert bank.get_client_high_water_mark(0).result == 1
+    assert state(bank.path) == (110, 1)
+
+
 def test_a_mark_behind_the_transaction_is_an_error(bank):
     bank.get_client_high_water_mark(0)
     failures = []

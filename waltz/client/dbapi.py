@@ -172,14 +172,36 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
             self._connection = connection
         return self._connection
 
+    def _open_cursor(self):
+        """``(connection, cursor)``; a connection that cannot give a cursor is dropped like a broken one."""
+        conn = self.connection()
+        try:
+            return conn, conn.cursor()
+        except Exception:
+            self._roll_back(conn)
+            raise
+
+    def _roll_back(self, conn):
+        """Roll back after a failure. A connection that cannot even roll back is broken (the database
+        restarted, the network was cut): it is closed and dropped, and the next call opens a new one."""
+        try:
+            conn.rollback()
+        except Exception as exc:
+            log.warn("the database connection is broken ({error!r}); the next call opens a new one", error=exc)
+            connection, self._connection = self._connection, None
+            if connection is not None:
+                try:
+                    connection.close()
+                except Exception:  # noqa: S110 (closing a broken connection: nothing more to do)
+                    pass
+
     def _execute(self, cursor, template, *values):
         """Run ``template`` (``<table>`` and ``{}`` placeholders) with ``values`` in the driver's style."""
         cursor.execute(_sql(template.replace("<table>", self._table), self._paramstyle),
                        _params(values, self._paramstyle))
 
     def _read_high_water_mark(self, partition_id):
-        conn = self.connection()
-        cursor = conn.cursor()
+        conn, cursor = self._open_cursor()
         try:
             self._execute(cursor, "SELECT HIGH_WATER_MARK FROM <table> WHERE PARTITION_ID = {}", partition_id)
             row = cursor.fetchone()
@@ -191,7 +213,7 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
             conn.rollback()
             return int(row[0])
         except BaseException:
-            conn.rollback()
+            self._roll_back(conn)
             raise
         finally:
             cursor.close()
@@ -199,8 +221,7 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
     def _apply(self, transaction, data):
         """Advance the mark from ``txn - 1`` to ``txn`` and apply, in one database transaction.
         True when applied here, False when another process had applied it already."""
-        conn = self.connection()
-        cursor = conn.cursor()
+        conn, cursor = self._open_cursor()
         pid, txn = transaction.partition_id, transaction.transaction_id
         try:
             self._execute(cursor,
@@ -219,7 +240,7 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
                                           "transaction %d" % (pid, stored, txn))
             return False
         except BaseException:
-            conn.rollback()
+            self._roll_back(conn)
             raise
         finally:
             cursor.close()
@@ -229,8 +250,7 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
     def create_table(self):
         """Create the high-water mark table if it does not exist; fires when done."""
         def create():
-            conn = self.connection()
-            cursor = conn.cursor()
+            conn, cursor = self._open_cursor()
             try:
                 cursor.execute("CREATE TABLE IF NOT EXISTS %s (PARTITION_ID INTEGER NOT NULL PRIMARY KEY, "
                                "HIGH_WATER_MARK BIGINT NOT NULL)" % self._table)
