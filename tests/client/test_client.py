@@ -675,6 +675,45 @@ def test_dropping_a_partition_settles_its_pending_appends_first(harness):
     assert sent.events == ["execute", ("exception", "PartitionInactiveError")]
 
 
+def test_a_partition_dropped_and_added_back_during_an_apply_applies_each_transaction_once(harness):
+    callbacks = RecordingCallbacks()
+    client = harness.client(callbacks, **{"client.autoMount": False})
+    client.set_partitions([0])
+    harness.settle()
+    callbacks.hold = True
+    harness.commit(0)
+    harness.commit(0)
+    harness.settle()
+    assert [t.transaction_id for t, _ in callbacks.pending] == [0]
+    client.set_partitions([])                 # waits for the apply of transaction 0 to end...
+    client.set_partitions([0])                # ...so adding it back does not deliver 0 again
+    harness.settle()
+    assert [t.transaction_id for t, _ in callbacks.pending] == [0]
+    callbacks.release()
+    harness.settle()
+    callbacks.release()
+    harness.settle()
+    assert callbacks.applied_ids(0) == [0, 1]
+
+
+def test_a_partition_dropped_during_an_apply_becomes_inactive_once_it_ends(harness):
+    callbacks = RecordingCallbacks()
+    client = harness.client(callbacks, **{"client.autoMount": False})
+    client.set_partitions([0])
+    harness.settle()
+    callbacks.hold = True
+    harness.commit(0)
+    harness.commit(0)
+    harness.settle()
+    client.set_partitions([])
+    harness.settle()
+    assert client.partition_state(0) is not PartitionState.INACTIVE
+    callbacks.release()
+    harness.settle()
+    assert client.partition_state(0) is PartitionState.INACTIVE
+    assert callbacks.applied_ids(0) == [0] and client.client_high_water_mark(0) == 0
+
+
 def test_set_partitions_needs_auto_mount_off(harness):
     client = harness.client()
     with pytest.raises(ValueError):

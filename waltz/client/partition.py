@@ -147,6 +147,7 @@ class ClientPartition:
         self._pumping = False
         self._feed = deque()
         self._applying = False
+        self._apply_in_flight = False   # an apply_transaction Deferred has not fired yet
         self._draining = False
         self._building = set()
         self._apply_failures = 0
@@ -240,7 +241,9 @@ class ClientPartition:
     def _finish_deactivation(self):
         if self.wanted:     # checked first: this runs after every settlement
             return
-        settled = not (len(self.monitor) or self._building)
+        # An apply_transaction still running must end first: dropped from the feed, and the partition
+        # re-activated meanwhile, it would be delivered again (the application's mark does not show it yet).
+        settled = not (len(self.monitor) or self._building or self._apply_in_flight)
         if not settled or self.state in (PartitionState.INACTIVE, PartitionState.CLOSED):
             return
         self._cancel("mount")
@@ -429,11 +432,13 @@ class ClientPartition:
             self._apply_failed(Failure(), item)
             return
         if is_deferred(result):
+            self._apply_in_flight = True
             result.addCallbacks(self._applied, self._apply_failed, callbackArgs=(item,), errbackArgs=(item,))
         else:
             self._applied(result, item)
 
     def _applied(self, _, item):
+        self._apply_in_flight = False
         if self.state is PartitionState.CLOSED or not self._feed or self._feed[0] is not item:
             return
         self._feed.popleft()
@@ -451,6 +456,7 @@ class ClientPartition:
         self._drain()
 
     def _apply_failed(self, failure, item):
+        self._apply_in_flight = False
         if self.state is PartitionState.CLOSED or not self._feed or self._feed[0] is not item:
             return
         self._apply_failures += 1
@@ -460,6 +466,7 @@ class ClientPartition:
                     failure, pid=self.partition_id, txn=item.transaction_id, delay=delay)
         self._report(item.transaction_id, failure.value)
         self._later("apply", delay, self._retry_apply)
+        self._finish_deactivation()     # a deactivation waiting for this apply goes on (no retry then)
 
     def _retry_apply(self):
         self._applying = False
