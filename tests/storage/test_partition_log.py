@@ -376,6 +376,22 @@ def test_delete_files_removes_the_partition_directory(small_log):
     assert os.listdir(os.path.dirname(small_log.directory)) == []
 
 
+def test_a_partition_directory_is_renamed_away_in_one_step_before_it_is_deleted(small_log, monkeypatch):
+    small_log.append(small_records(0, 10))
+    storage_dir = os.path.dirname(small_log.directory)
+
+    def crash(path):
+        raise OSError("crash while deleting %s" % path)
+    monkeypatch.setattr(shutil, "rmtree", crash)
+    with pytest.raises(OSError, match="crash while deleting"):
+        partition_log_module.delete_partition_directory(storage_dir, PARTITION)
+    monkeypatch.undo()
+    # Nothing is left where the partition's log was; the next start finishes the deletion.
+    assert os.listdir(storage_dir) == ["%d.deleting" % PARTITION]
+    assert partition_log_module.remove_deleted_directories(storage_dir) == ["%d.deleting" % PARTITION]
+    assert os.listdir(storage_dir) == []
+
+
 # -- model check -----------------------------------------------------------------------------------
 
 operations = st.lists(st.one_of(

@@ -17,6 +17,7 @@ from waltz.protocols import admin_messages as am
 from waltz.protocols import storage_messages as sm
 from waltz.protocols.rpc import AdminClientProtocol, RemoteError, RequestClientFactory, StorageClientProtocol
 from waltz.protocols.values import Record, ReqId
+from waltz.storage import node as node_module
 from waltz.storage import segment as segment_module
 from waltz.storage.controlfile import CONTROL_FILE_NAME, HEADER_SIZE, PARTITION_INFO_SIZE
 from waltz.storage.handlers import AdminServerProtocol, NodeFactory, StorageServerProtocol
@@ -280,6 +281,44 @@ async def test_unassigning_with_delete_repairs_a_corrupted_control_record(tmp_pa
         assert not os.path.exists(os.path.join(directory, "0"))
         assert second.node.control.partition_info(0).session_id == -1
         assert (await admin.request(am.AssignedPartitionStatusRequest(0))).partition_status == ()
+    finally:
+        await second.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_deleting_a_partition_resets_its_record_before_its_files_go(harness, monkeypatch):
+    # A crash must never leave a record claiming the last session beside missing segments: the replica
+    # would vote with an empty log. The files go after the record, and in one rename.
+    await assign(harness, 0)
+    s = await harness.connect()
+    await s.request(sm.AppendRequest(1, 0, 0, records(0, 5), False))
+    seen = []
+
+    def deleting(storage_dir, pid):
+        seen.append((harness.node.control.partition_info(pid).session_id,
+                     os.path.isdir(os.path.join(storage_dir, str(pid)))))
+        raise OSError("crash before the files are gone")
+    monkeypatch.setattr(node_module, "delete_partition_directory", deleting)
+    admin = await harness.connect(admin=True)
+    with pytest.raises(RemoteError, match="crash before the files are gone"):
+        await admin.request(am.PartitionAssignmentRequest(0, (0,), False, True))
+    assert seen == [(-1, True)]                 # the record was reset while the segments were still there
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_deletion_a_crash_interrupted_is_finished_at_start(tmp_path):
+    directory = str(tmp_path / "storage")
+    first = Harness(directory)
+    await first.start()
+    await assign(first, 0)
+    s = await first.connect()
+    await s.request(sm.AppendRequest(1, 0, 0, records(0, 5), False))
+    await first.stop()
+    os.rename(os.path.join(directory, "0"), os.path.join(directory, "0.deleting"))   # crashed after the rename
+    second = Harness(directory)
+    await second.start()
+    try:
+        assert not os.path.exists(os.path.join(directory, "0.deleting"))
     finally:
         await second.stop()
 

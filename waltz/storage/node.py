@@ -7,8 +7,6 @@ assigned partition. Opening, assigning and removing partitions run their file
 work off the reactor thread.
 """
 
-import os
-import shutil
 import threading
 
 from twisted.internet import defer, threads
@@ -16,9 +14,8 @@ from twisted.logger import Logger
 
 from waltz.storage.controlfile import ControlFile, PartitionFlags, PartitionInfo
 from waltz.storage.errors import ControlFileMismatch, StorageError, UnknownPartition
-from waltz.storage.fileio import fsync_directory
 from waltz.storage.partition import PartitionRefused, StoragePartition
-from waltz.storage.partition_log import PartitionLog, partition_directory
+from waltz.storage.partition_log import PartitionLog, delete_partition_directory, remove_deleted_directories
 from waltz.storage.worker import PartitionWorker
 from waltz.metrics import SIZE_BUCKETS, Registry
 
@@ -100,6 +97,10 @@ class StorageNode:
         control = yield threads.deferToThread(ControlFile.open_or_create, self.directory, cluster_key,
                                               num_partitions)
         self.control = SharedControlFile(control)
+        removed = yield threads.deferToThread(remove_deleted_directories, self.directory)
+        if removed:
+            self.log.info("removed partition directories whose deletion a crash interrupted: {names}",
+                          names=", ".join(sorted(removed)))
         for pid in range(num_partitions):
             info = yield threads.deferToThread(self._read_info, pid)
             if info is None or info.assigned:
@@ -214,13 +215,15 @@ class StorageNode:
                 self._forget_metrics(pid)
 
     def _delete_files(self, pid):
-        """Remove the partition's segments, durably, then reset its control record: a crash between
-        the two must not leave old segments beside a reset record."""
-        directory = partition_directory(self.directory, pid)
-        if os.path.isdir(directory):
-            shutil.rmtree(directory, ignore_errors=True)
-            fsync_directory(self.directory)
+        """Reset the partition's control record, then remove its directory, both durably.
+
+        In this order: a crash in between leaves old segments beside a reset record, which a recovering
+        server truncates (the storage reports no session). The other way round, a record still claiming
+        the last session beside missing segments would let the replica vote with an empty log. The
+        directory goes in one step (:func:`delete_partition_directory`), never leaving part of a log.
+        """
         self.control.reset_partition_info(pid)
+        delete_partition_directory(self.directory, pid)
 
     def _forget_metrics(self, pid):
         for metric in (self.metrics.records, self.metrics.bytes, self.metrics.fsyncs, self.metrics.append_batch,

@@ -53,6 +53,37 @@ def partition_directory(storage_dir: str, partition_id: int) -> str:
     return os.path.join(storage_dir, str(partition_id))
 
 
+#: Suffix of a partition directory being deleted: it is renamed first, in one durable step, so that a
+#: crash never leaves part of a log where the partition's directory is.
+DELETING_SUFFIX = ".deleting"
+
+
+def delete_partition_directory(storage_dir: str, partition_id: int) -> None:
+    """Remove a partition's directory durably: renamed to ``<id>.deleting`` (the directory fsynced), then
+    deleted. A crash in between leaves that name, which :func:`remove_deleted_directories` clears."""
+    directory = partition_directory(storage_dir, partition_id)
+    if not os.path.isdir(directory):
+        return
+    tombstone = directory + DELETING_SUFFIX
+    if os.path.isdir(tombstone):
+        shutil.rmtree(tombstone)
+    os.rename(directory, tombstone)
+    fsync_directory(storage_dir)
+    shutil.rmtree(tombstone)
+    fsync_directory(storage_dir)
+
+
+def remove_deleted_directories(storage_dir: str) -> list:
+    """Finish the deletions a crash interrupted: remove the ``<id>.deleting`` directories; their names."""
+    names = [name for name in os.listdir(storage_dir)
+             if name.endswith(DELETING_SUFFIX) and os.path.isdir(os.path.join(storage_dir, name))]
+    for name in names:
+        shutil.rmtree(os.path.join(storage_dir, name))
+    if names:
+        fsync_directory(storage_dir)
+    return names
+
+
 class PartitionLog:
     """The log of one partition. Use :meth:`open`."""
 
@@ -351,10 +382,7 @@ class PartitionLog:
         self._cache.clear()
         self._active = None
         self._segment_ids = []
-        shutil.rmtree(self.directory, ignore_errors=True)
-        parent = os.path.dirname(self.directory) or "."
-        if os.path.isdir(parent):
-            fsync_directory(parent)
+        delete_partition_directory(os.path.dirname(self.directory) or ".", self.partition_id)
 
     def _check_open(self) -> None:
         if self._closed:
