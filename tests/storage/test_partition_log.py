@@ -225,6 +225,26 @@ def test_io_error_in_the_middle_of_a_batch_leaves_nothing_of_it(small_log, monke
 
 # -- roll-over -------------------------------------------------------------------------------------
 
+def test_a_roll_that_failed_to_open_its_new_segment_is_tried_again(small_log, monkeypatch):
+    # The new segment's files were created but it could not be opened (out of file descriptors): they
+    # used to stay, and every later append failed with "segment file ... already exists" until a restart.
+    small_log.append(small_records(0, 4))
+    real_open = segment_module.Segment.open.__func__
+    failures = []
+
+    def open_failing_once(cls, *args, **kwargs):
+        if not failures:
+            failures.append(args)
+            raise OSError(24, "Too many open files")
+        return real_open(cls, *args, **kwargs)
+    monkeypatch.setattr(segment_module.Segment, "open", classmethod(open_failing_once))
+    with pytest.raises(OSError, match="Too many open files"):
+        small_log.append(small_records(4, 1))       # the segment is full: this append rolls
+    monkeypatch.undo()
+    small_log.append(small_records(4, 1))
+    assert small_log.segment_ids == (0, 4) and small_log.read_records(0, 10) == small_records(0, 5)
+
+
 def test_rolls_to_new_segments_at_the_threshold(small_log):
     records = small_records(0, 10)
     small_log.append(records[:3])

@@ -279,11 +279,13 @@ class Segment:
         try:
             for path in paths:
                 _write_file_durably(path, header.encode())
+            fsync_directory(partition_dir)
+            return cls.open(partition_dir, first_transaction_id, key, partition_id)
         except BaseException:
+            # Also when only the open failed (out of file descriptors): files left behind would make every
+            # later attempt refuse ("already exists") until a restart.
             remove_segment_files(partition_dir, first_transaction_id)
             raise
-        fsync_directory(partition_dir)
-        return cls.open(partition_dir, first_transaction_id, key, partition_id)
 
     @classmethod
     def open(cls, partition_dir: str, first_transaction_id: int, key: uuid.UUID = None,
