@@ -38,6 +38,15 @@ def test_abort_flush_and_fail_all():
     assert monitor.fail_all() == [subs[4]] and len(monitor) == 0
 
 
+def test_a_flush_settles_what_was_sent_before_its_req_id_even_when_that_one_ended_first():
+    # FLUSH(3) was sent; 3 then failed its lock check (LOCK_FAILURE before the flush response). 1 and 2,
+    # sent before it, are still pending and were answered by the flush: they failed.
+    _, monitor, subs = monitor_with(1, 2, 3, 4)
+    assert monitor.abort(rid(3)) is subs[3]
+    assert monitor.flush(rid(3)) == [subs[1], subs[2]]
+    assert list(monitor._pending) == [rid(4)]
+
+
 def test_capacity_and_last_req_id():
     _, monitor, _ = monitor_with(1, 2, capacity=2)
     assert not monitor.has_capacity and monitor.last_req_id == rid(2)

@@ -150,9 +150,19 @@ class TransactionMonitor:
         return submission
 
     def flush(self, req_id):
-        """A flush up to ``req_id`` completed and its transactions were applied: every append up to
-        and including ``req_id`` still pending has failed. Their submissions, oldest first."""
-        return self._settle_through(req_id) if req_id in self._pending else []
+        """A flush up to ``req_id`` completed and its transactions were applied: every append sent up to
+        and including ``req_id`` (sequence numbers count up per partition) that is still pending has
+        failed, whether or not ``req_id`` itself still is (a lock failure may have ended it meanwhile).
+        Their submissions, oldest first."""
+        settled = []
+        while self._pending:
+            oldest = next(iter(self._pending))
+            if oldest.seq_num > req_id.seq_num:
+                break
+            settled.append(self._pending.pop(oldest))
+        if settled:
+            self._settled()
+        return settled
 
     def fail_all(self):
         """A mount completed: nothing is pending on the server any more. Every submission, oldest first."""
