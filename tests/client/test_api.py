@@ -1,5 +1,7 @@
 """The application-facing classes: locks, builder, serializers, Transaction, config."""
 
+import types
+
 import pytest
 from twisted.internet import defer
 from zope.interface.verify import verifyObject
@@ -91,6 +93,11 @@ def test_client_config_errors_name_the_key(tmp_path):
     path = tmp_path / "client.yaml"
     path.write_text("zookeeper.connectString: h:1\ncluster.root: /c\nclient.autoMount: false\n")
     assert client_config(str(path))["client.autoMount"] is False
+    assert client_config(path)["client.autoMount"] is False                    # a pathlib.Path too
+    frozen = types.MappingProxyType({"zookeeper.connectString": "h:1", "cluster.root": "/c"})
+    assert client_config(frozen)["cluster.root"] == "/c"                       # any mapping
+    with pytest.raises(ConfigError, match="must be a mapping, a YAML file path or a Config, not list"):
+        client_config([("cluster.root", "/c")])
 
 
 def test_the_builder_refuses_data_over_the_transaction_limit():

@@ -8,11 +8,11 @@ import threading
 
 import pytest
 import pytest_twisted
-from twisted.internet import reactor, threads
+from twisted.internet import defer, reactor, threads
 
 from tests.client.fakes import BASE_CONFIG, FakeDiscovery, FakeServer, FakeStore, RecordingContext
 from waltz.client.api import Outcome, WaltzClientCallbacks
-from waltz.client.blocking import BlockingWaltzClient, call_blocking, ensure_reactor_running
+from waltz.client.blocking import BlockingWaltzClient, ThreadedCallbacks, call_blocking, ensure_reactor_running
 from waltz.client.discovery import PartitionLocation
 from waltz.client.network import Endpoint
 from waltz.protocols.values import ReqId
@@ -143,7 +143,7 @@ def test_a_script_without_a_reactor_gets_one_in_a_thread(tmp_path):
         from twisted.internet import reactor
         from tests.client.fakes import BASE_CONFIG, RecordingContext
         from tests.client.test_blocking import BlockingCallbacks, fake_cluster
-        from waltz.client.blocking import BlockingWaltzClient, call_blocking, ensure_reactor_running
+        from waltz.client.blocking import BlockingWaltzClient, ThreadedCallbacks, call_blocking, ensure_reactor_running
 
         ensure_reactor_running(reactor)
         assert reactor.running and threading.current_thread() is threading.main_thread()
@@ -156,3 +156,19 @@ def test_a_script_without_a_reactor_gets_one_in_a_thread(tmp_path):
                             timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["committed", "0"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_threaded_callback_that_returns_a_deferred_is_an_error():
+    # Run in the worker thread, its Deferred used to be taken as the result: a high-water mark that is
+    # not an int, or a transaction counted applied before its Deferred fired (its failure lost).
+    class Asynchronous(WaltzClientCallbacks):
+        def get_client_high_water_mark(self, partition_id):
+            return defer.succeed(-1)
+
+    callbacks = ThreadedCallbacks(Asynchronous(), reactor)
+    try:
+        with pytest.raises(TypeError, match="returned a Deferred from the callbacks' worker thread"):
+            await callbacks.get_client_high_water_mark(0)
+    finally:
+        callbacks.stop()

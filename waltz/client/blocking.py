@@ -106,6 +106,18 @@ class BlockingTransaction:
                              timeout=timeout if timeout is not None else self.timeout)
 
 
+def _not_deferred(callback, *args):
+    """``callback(*args)`` in the worker thread; :class:`TypeError` if it returned a Deferred. A callback
+    run there must block until it is done: a Deferred would count the transaction applied before it fired,
+    and its failure would be lost (callbacks that return Deferreds run on the reactor: ``runs_on_reactor``)."""
+    result = callback(*args)
+    if isinstance(result, defer.Deferred):
+        raise TypeError("%s returned a Deferred from the callbacks' worker thread: block until done instead "
+                        "(or set runs_on_reactor on callbacks that return Deferreds)"
+                        % getattr(callback, "__qualname__", callback))
+    return result
+
+
 @implementer(IWaltzClientCallbacks)
 class ThreadedCallbacks:
     """Runs blocking application callbacks in one worker thread, one call at a time."""
@@ -117,10 +129,10 @@ class ThreadedCallbacks:
         self._worker = WorkerThread(reactor, "waltz-callbacks")
 
     def get_client_high_water_mark(self, partition_id):
-        return self._worker.run(self._callbacks.get_client_high_water_mark, partition_id)
+        return self._worker.run(_not_deferred, self._callbacks.get_client_high_water_mark, partition_id)
 
     def apply_transaction(self, transaction):
-        return self._worker.run(self._callbacks.apply_transaction,
+        return self._worker.run(_not_deferred, self._callbacks.apply_transaction,
                                 BlockingTransaction(transaction, self._reactor, self._timeout))
 
     def uncaught_exception(self, partition_id, transaction_id, exception):

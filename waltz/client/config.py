@@ -7,6 +7,9 @@ milliseconds in the file; :class:`ClientSettings` holds them as seconds (the
 unit of the reactor's clock).
 """
 
+import os
+from collections.abc import Mapping
+
 import attr
 
 from waltz.config import (
@@ -97,9 +100,9 @@ def client_config(config) -> Config:
     a YAML file path, or an already built ``Config`` (returned as is)."""
     if isinstance(config, Config):
         return config
-    if isinstance(config, str):
-        return load_config(config, CLIENT_KEYS)
-    if isinstance(config, dict):
-        return build_config(config, CLIENT_KEYS)
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(os.fspath(config), CLIENT_KEYS)
+    if isinstance(config, Mapping):
+        return build_config(dict(config), CLIENT_KEYS)
     raise ConfigError("a client config must be a mapping, a YAML file path or a Config, not %s"
                       % type(config).__name__)
