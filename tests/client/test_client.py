@@ -970,6 +970,23 @@ def test_execute_may_return_a_deferred_and_holds_its_slot_meanwhile(harness):
     assert all(outcome(r).committed for r in results)
 
 
+def test_an_execute_whose_deferred_never_fires_expires_and_frees_its_slot(harness):
+    client = harness.client(**{"client.maxConcurrentTransactions": 1, "client.transactionExpiration": 10000})
+    stuck, quick = SlowContext(header=1), RecordingContext(header=2)
+    results = [client.execute(stuck)]
+    harness.settle(5)
+    results.append(client.execute(quick))         # waits for the slot (it expires 5 s after the stuck one)
+    harness.settle(4.9)
+    assert harness.server_a.messages(m.AppendRequest) == [] and quick.executions == 0
+    harness.settle(0.2)
+    assert outcome(results[0]).outcome is Outcome.EXPIRED and stuck.events[-1] == "expiration"
+    harness.settle()
+    assert outcome(results[1]).committed and [a.header for a in harness.server_a.messages(m.AppendRequest)] == [2]
+    stuck.finish()                                # firing at last changes nothing
+    harness.settle()
+    assert [a.header for a in harness.server_a.messages(m.AppendRequest)] == [2]
+
+
 def test_a_context_still_building_across_a_remount_is_executed_again(harness):
     client = harness.client()
     slow = SlowContext()

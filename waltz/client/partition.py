@@ -540,8 +540,12 @@ class ClientPartition:
             if submission in queue:
                 queue.remove(submission)
         self._gated.pop(submission, None)
+        building = submission in self._building
+        self._building.discard(submission)      # its execute's Deferred, if it ever fires, is ignored
         if not submission.done:
             submission.expired()
+        if building:
+            self._after_settlement()
 
     def _attempt_failed(self, submission):
         """An attempt failed: retry (after the lock failure's transaction when there was one)."""
@@ -604,6 +608,7 @@ class ClientPartition:
             return
         if is_deferred(proceed):
             self._building.add(submission)
+            self._arm_expiry(submission)    # an execute whose Deferred never fires must not hold its slot
             mount = self._mount_req_id
             proceed.addCallbacks(self._built_later, self._build_failed_later,
                                  callbackArgs=(submission, builder, mount), errbackArgs=(submission,))
@@ -612,6 +617,7 @@ class ClientPartition:
 
     def _built_later(self, proceed, submission, builder, mount):
         self._building.discard(submission)
+        submission.cancel_expiry()
         if submission.done:
             return
         if mount != self._mount_req_id or self.state is not PartitionState.MOUNTED or not self.wanted:
@@ -636,6 +642,7 @@ class ClientPartition:
 
     def _build_failed_later(self, failure, submission):
         self._building.discard(submission)
+        submission.cancel_expiry()
         self._execute_failed(failure, submission)
         self._after_settlement()
 
