@@ -987,6 +987,35 @@ def test_an_execute_whose_deferred_never_fires_expires_and_frees_its_slot(harnes
     assert [a.header for a in harness.server_a.messages(m.AppendRequest)] == [2]
 
 
+def test_a_flush_does_not_fail_an_append_of_an_older_req_id_sent_after_it(harness):
+    # The slow context got its ReqId first but was sent after the FLUSH: the server's answer to the FLUSH
+    # does not cover it, and failing it ran the context again while its append was still queued (the log
+    # then held its transaction twice).
+    client = harness.client(**{"client.longWaitThreshold": 100000})
+    server = harness.server_a
+    server.hold_appends = True
+    flushes = []
+    server.on_FlushRequest = lambda proto, message: flushes.append((proto, message))   # answered below
+    slow, quick = SlowContext(header=1), RecordingContext(header=2)
+    d_slow = client.execute(slow)
+    client.execute(quick)
+    harness.settle()
+    [a_quick] = server.messages(m.AppendRequest)
+    client.flush()
+    harness.settle()
+    [(proto, flush)] = flushes
+    slow.finish()                                 # sent after the FLUSH
+    harness.settle()
+    server.held = [h for h in server.held if h.request.req_id != a_quick.req_id]      # the quick one was lost
+    proto.sendMessage(m.FlushResponse(flush.req_id, harness.logs[0].high_water_mark))
+    harness.settle()
+    assert slow.executions == 1
+    server.commit_held(0)                         # the slow one's append commits
+    harness.settle()
+    assert outcome(d_slow).committed and slow.executions == 1
+    assert [r.header for r in harness.logs[0].records].count(1) == 1
+
+
 def test_a_context_still_building_across_a_remount_is_executed_again(harness):
     client = harness.client()
     slow = SlowContext()

@@ -31,20 +31,34 @@ def test_own_commit_settles_it_and_fails_every_older_one():
 
 
 def test_abort_flush_and_fail_all():
-    _, monitor, subs = monitor_with(1, 2, 3, 4)
+    _, monitor, subs = monitor_with(1, 2, 3)
+    monitor.flush_sent(rid(3))
+    monitor.register(rid(4), Submission(RecordingContext(), 0))
     assert monitor.abort(rid(2)) is subs[2] and monitor.abort(rid(2)) is None
     assert monitor.flush(rid(3)) == [subs[1], subs[3]]
-    assert monitor.flush(rid(3)) == []
-    assert monitor.fail_all() == [subs[4]] and len(monitor) == 0
+    assert monitor.flush(rid(3)) == []                        # answered already
+    assert monitor.flush(rid(4)) == []                        # no FLUSH named it
+    assert len(monitor.fail_all()) == 1 and len(monitor) == 0
 
 
-def test_a_flush_settles_what_was_sent_before_its_req_id_even_when_that_one_ended_first():
+def test_a_flush_settles_what_was_sent_before_it_even_when_its_req_id_ended_first():
     # FLUSH(3) was sent; 3 then failed its lock check (LOCK_FAILURE before the flush response). 1 and 2,
-    # sent before it, are still pending and were answered by the flush: they failed.
-    _, monitor, subs = monitor_with(1, 2, 3, 4)
+    # sent before the FLUSH, are still pending and were answered by it: they failed.
+    _, monitor, subs = monitor_with(1, 2, 3)
+    monitor.flush_sent(rid(3))
     assert monitor.abort(rid(3)) is subs[3]
     assert monitor.flush(rid(3)) == [subs[1], subs[2]]
-    assert list(monitor._pending) == [rid(4)]
+
+
+def test_a_flush_does_not_settle_an_older_req_id_sent_after_it():
+    # An execute that returned a Deferred got ReqId 2 but was sent after FLUSH(3): the server's answer to
+    # the FLUSH says nothing about it (failing it would run the context again while 2 commits).
+    _, monitor, subs = monitor_with(1, 3)
+    monitor.flush_sent(rid(3))
+    late = Submission(RecordingContext(), 0)
+    monitor.register(rid(2), late)
+    assert monitor.flush(rid(3)) == [subs[1], subs[3]]
+    assert list(monitor._pending) == [rid(2)]
 
 
 def test_capacity_and_last_req_id():

@@ -15,7 +15,7 @@
 
 import heapq
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -38,6 +38,8 @@ class Submission:
         #: before the next attempt.
         self.retry_after = None
         self.expiry_call = None
+        #: Its place among the partition's registrations (sends), set by TransactionMonitor.register.
+        self.registration = None
 
     @property
     def done(self) -> bool:
@@ -104,6 +106,8 @@ class TransactionMonitor:
         self._clock = clock
         self._pending = OrderedDict()
         self._waiters = []
+        self._registrations = 0       # appends registered so far; each is sent as it is registered
+        self._flushes = {}            # flushed ReqId -> deque of the registration counts its FLUSHes covered
         #: Reactor time of the last registration or settlement (see ``client.longWaitThreshold``).
         self.last_progress = clock.seconds()
 
@@ -129,6 +133,8 @@ class TransactionMonitor:
         if req_id in self._pending:
             raise ValueError("duplicate ReqId %r" % (req_id,))
         self._pending[req_id] = submission
+        self._registrations += 1
+        submission.registration = self._registrations
         self.touch()
 
     def touch(self):
@@ -149,15 +155,27 @@ class TransactionMonitor:
             self._settled()
         return submission
 
+    def flush_sent(self, req_id):
+        """A FLUSH naming ``req_id`` was sent: its response will answer every append registered (so sent)
+        before it, and none registered after it."""
+        self._flushes.setdefault(req_id, deque()).append(self._registrations)
+        self.touch()
+
     def flush(self, req_id):
-        """A flush up to ``req_id`` completed and its transactions were applied: every append sent up to
-        and including ``req_id`` (sequence numbers count up per partition) that is still pending has
-        failed, whether or not ``req_id`` itself still is (a lock failure may have ended it meanwhile).
-        Their submissions, oldest first."""
+        """The FLUSH naming ``req_id`` completed and its transactions were applied: every append sent before
+        that FLUSH and still pending has failed, whether or not ``req_id`` itself still is (a lock failure
+        may have ended it meanwhile). Appends sent after the FLUSH are not answered by it (an ``execute``
+        that returned a Deferred may send an older ReqId later). Their submissions, oldest first."""
+        marks = self._flushes.get(req_id)
+        if not marks:
+            return []               # not a FLUSH of this mount
+        covered = marks.popleft()
+        if not marks:
+            del self._flushes[req_id]
         settled = []
         while self._pending:
             oldest = next(iter(self._pending))
-            if oldest.seq_num > req_id.seq_num:
+            if self._pending[oldest].registration > covered:
                 break
             settled.append(self._pending.pop(oldest))
         if settled:
@@ -168,6 +186,7 @@ class TransactionMonitor:
         """A mount completed: nothing is pending on the server any more. Every submission, oldest first."""
         failed = list(self._pending.values())
         self._pending.clear()
+        self._flushes.clear()       # the new mount answers none of the earlier FLUSHes
         if failed:
             self._settled()
         return failed

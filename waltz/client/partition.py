@@ -718,7 +718,7 @@ class ClientPartition:
         req_id = self.monitor.last_req_id
         if req_id is not None and self.state is PartitionState.MOUNTED:
             self.stream.send(m.FlushRequest(req_id))
-            self.monitor.touch()
+            self.monitor.flush_sent(req_id)
 
     # --- RPC: transaction data and high-water mark -------------------------------------------------
 
