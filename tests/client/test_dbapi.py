@@ -124,6 +124,23 @@ def test_a_broken_database_connection_is_replaced_by_the_next_call(bank):
     assert state(bank.path) == (110, 1)
 
 
+def test_the_error_that_broke_an_apply_is_the_one_reported(bank):
+    # The connection dies in the middle of the apply: rolling back and closing the cursor fail too, and
+    # must not replace the error that broke the apply.
+    bank.get_client_high_water_mark(0)
+
+    def dying(transaction, data, cursor):
+        cursor.connection.close()
+        raise RuntimeError("the database went away")
+    bank.apply_to_database = dying
+    failures = []
+    bank.apply_transaction(transaction(0, 5)).addErrback(failures.append)
+    assert failures and failures[0].check(RuntimeError)
+    del bank.apply_to_database
+    assert bank.apply_transaction(transaction(0, 5)).result is True
+    assert state(bank.path) == (105, 0)
+
+
 def test_a_mark_behind_the_transaction_is_an_error(bank):
     bank.get_client_high_water_mark(0)
     failures = []

@@ -238,3 +238,40 @@ def test_a_replica_that_kept_less_than_asked_when_truncated_is_caught_up():
     assert result.called and result.result.high_water_mark == 20
     assert [r.transaction_id for r in logs["b:1"]] == list(range(21))
     assert b.calls[-1] == ("set_low_water_mark", 20)
+
+
+def test_a_raise_that_failed_half_way_goes_on_from_what_the_replica_holds():
+    # c copied 6..8 of 6..10, then the read failed: the next raise copies 9..10, not 6..10 again (a real
+    # storage refuses records it already holds, and the partition stayed undecidable).
+    full = records(0, 11)
+    logs = {"a:1": list(full), "b:1": [], "c:1": full[:6]}
+    metadata, replicas, _ = three_members(logs)
+    a = replicas["a:1"]
+    served = []
+
+    def get_records(first, count):
+        if served:
+            return defer.fail(OSError("I/O error"))
+        served.append(first)
+        return defer.succeed(tuple(full[first:first + 3]))
+    a.get_records = get_records
+    c = replicas["c:1"]
+    appended = []
+    real_append = c.append
+
+    def append(batch):
+        if batch[0].transaction_id != len(c.log):
+            return defer.fail(ValueError("transaction %d does not follow %d" % (batch[0].transaction_id,
+                                                                                len(c.log) - 1)))
+        appended.append(tuple(r.transaction_id for r in batch))
+        return real_append(batch)
+    c.append = append
+    clock = Clock()
+    manager = RecoveryManager(0, metadata.value, replicas, metadata, clock, retry_interval=0.5)
+    result = manager.run()
+    assert not result.called and appended == [(6, 7, 8)]
+    del a.get_records                               # a serves reads again
+    clock.advance(0.5)
+    assert result.called and result.result.high_water_mark == 10
+    assert appended == [(6, 7, 8), (9, 10)]
+    assert [r.transaction_id for r in logs["c:1"]] == list(range(11))

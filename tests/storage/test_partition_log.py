@@ -13,7 +13,7 @@ from waltz.storage import fileio as fileio_module
 from waltz.storage import partition_log as partition_log_module
 from waltz.storage import segment as segment_module
 from waltz.storage.errors import (
-    CorruptedRecord, RecordChecksumMismatch, StorageClosed, SyncFailed, TransactionIdOutOfSequence)
+    CorruptedRecord, RecordChecksumMismatch, StorageClosed, StorageError, SyncFailed, TransactionIdOutOfSequence)
 from waltz.storage.partition_log import PartitionLog
 from waltz.storage.segment import RECORD_OVERHEAD, data_file_name, index_file_name
 
@@ -333,6 +333,25 @@ def test_truncate_into_an_older_segment_keeps_a_damaged_record_below_the_cut(sma
     assert small_log.read_records(6, 1) == small_records(6, 1)
     with pytest.raises(CorruptedRecord):
         small_log.read_records(5, 1)
+
+
+def test_a_truncation_that_cannot_reopen_a_damaged_segment_makes_the_log_unusable(small_log):
+    # Segment 8 is deleted first; segment 4's last record (7), synced at the roll, is damaged, so it
+    # cannot be reopened. The log used to go on without an active segment, reporting itself empty: a
+    # replica voting -1.
+    small_log.append(small_records(0, 12))   # segments 0, 4, 8
+    path = os.path.join(small_log.directory, data_file_name(4))
+    with open(path, "r+b") as f:
+        f.seek(128 + 3 * 60 + 40)             # a data byte of record 7
+        byte = f.read(1)
+        f.seek(128 + 3 * 60 + 40)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(CorruptedRecord):
+        small_log.truncate(6)
+    for attempt in (small_log.check_usable, lambda: small_log.append(small_records(8, 1)),
+                    lambda: small_log.read_records(0, 1)):
+        with pytest.raises(StorageError, match="unusable: truncation to 6 could not reopen segment 4"):
+            attempt()
 
 
 def test_truncate_to_minus_one_empties_the_partition(small_log):

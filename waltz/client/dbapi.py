@@ -216,7 +216,7 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
             self._roll_back(conn)
             raise
         finally:
-            cursor.close()
+            _close_quietly(cursor)
 
     def _apply(self, transaction, data):
         """Advance the mark from ``txn - 1`` to ``txn`` and apply, in one database transaction.
@@ -243,7 +243,7 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
             self._roll_back(conn)
             raise
         finally:
-            cursor.close()
+            _close_quietly(cursor)
 
     # --- set-up and closing ----------------------------------------------------------------------
 
@@ -256,7 +256,7 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
                                "HIGH_WATER_MARK BIGINT NOT NULL)" % self._table)
                 conn.commit()
             finally:
-                cursor.close()
+                _close_quietly(cursor)
         return self._run(create)
 
     def run_in_database(self, function, *args):
@@ -281,3 +281,11 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
         # would hold the reactor until it finished.
         worker, self._worker = self._worker, None
         return threads.deferToThread(worker.stop).addCallback(lambda _: result)
+
+
+def _close_quietly(cursor):
+    """Close ``cursor``; on a connection that broke, that fails too, and must not hide the first error."""
+    try:
+        cursor.close()
+    except Exception:  # noqa: S110 (the error that broke the call is the one reported)
+        pass

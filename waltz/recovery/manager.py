@@ -206,7 +206,9 @@ class ReplicaRecovery:
         lower the outcome below what a quorum held."""
         self._raising = self._raised = True
         self._enter(ReplicaRecoveryState.RAISING_VOTE)
-        d = copy_records(read, self.replica, self.vote + 1, mark)
+        # From what it holds now: an earlier raise that failed half-way may have copied some batches.
+        d = self.replica.max_transaction_id()
+        d.addCallback(lambda held: copy_records(read, self.replica, held + 1, mark))
         d.addCallbacks(self._vote_raised, self._raise_failed)
         d.addBoth(self._raise_ended)
 
@@ -421,6 +423,8 @@ class RecoveryManager:
             voters = [r for r in self.recoveries.values() if r.vote is not None]
             top = max(r.vote for r in voters)
             for recovery in voters:
+                if self.high_water_mark is not None or self.stopped:
+                    break       # the raise just started decided it (replicas that answer at once)
                 if recovery.vote < top and not recovery.raising and recovery.replica.connected:
                     self.log.info("partition {pid}: undecidable; replica {storage} copies {first}..{top} from a "
                                   "voter holding them", pid=self.partition_id, storage=recovery.storage,

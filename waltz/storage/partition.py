@@ -158,6 +158,7 @@ class StoragePartition:
 
     def _set_low_water_mark(self, message):
         lwm = message.low_water_mark
+        self.log.check_usable()     # (an unusable log's end is not known: it must not become the local mark)
         local_max = self.log.max_transaction_id
         if local_max > lwm:
             raise StorageError("cannot set low-water mark %d of partition %d: it still holds transactions up to %d"

@@ -103,6 +103,7 @@ class PartitionLog:
         self._cache = collections.OrderedDict()  # first txn id -> older Segment, least recently used first
         self._closed = False
         self._sync_failure = None   # the SyncFailed that made the log unusable (see SyncFailed)
+        self._unusable = None       # why else it is unusable (a truncation that could not reopen a segment)
 
     @classmethod
     def open(cls, storage_dir: str, key: uuid.UUID, partition_id: int, local_low_water_mark: int = -1,
@@ -257,7 +258,14 @@ class PartitionLog:
             # a gap in the transaction ids.
             fsync_directory(self.directory)
         if self._segment_ids:
-            self._active = self._reopen_for_writing(self._segment_ids[-1])
+            try:
+                self._active = self._reopen_for_writing(self._segment_ids[-1])
+            except StorageError as exc:
+                # The newer segments are gone already: without its active segment the log would report
+                # itself empty (a replica voting -1) and refuse appends. Unusable until a restart judges it.
+                self._unusable = "truncation to %d could not reopen segment %d: %s" % (
+                    transaction_id, self._segment_ids[-1], exc)
+                raise
             self._active.truncate(transaction_id)
 
     def _delete_newest_segment(self) -> None:
@@ -390,6 +398,9 @@ class PartitionLog:
         if self._sync_failure is not None:
             raise SyncFailed("partition %d's log is unusable after a failed fdatasync (%s); restart the storage "
                              "node to recover it from disk" % (self.partition_id, self._sync_failure))
+        if self._unusable is not None:
+            raise StorageError("partition %d's log is unusable: %s; restart the storage node to judge it again "
+                               "from disk" % (self.partition_id, self._unusable))
 
     def __repr__(self):
         return "<PartitionLog %d in %s, max %d, %d segments>" % (
