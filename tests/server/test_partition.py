@@ -334,6 +334,23 @@ def test_lock_failure_carries_the_estimate(h):
     assert h.counter("waltz_server_lock_failures_total", PID) == 1
 
 
+def test_a_store_reporting_an_id_already_committed_closes_the_partition_instead_of_feeding_it(h):
+    a = DummyConnection("a")
+    h.mount(a, client=1)
+    h.handle(a, FeedRequest(rid(0, 1), -1))
+    h.handle(a, append(1, client=1))
+    h.handle(a, append(2, client=1))
+    h.store.commit(1)
+    h.run()
+    *_, second = h.store.pending[0]
+    h.store.pending = []
+    second.callback(0)                          # a store bug: transaction 0 again
+    h.run()
+    assert [m.transaction_id for m in a.of(FeedData)] == [0]
+    assert h.partition.state is PartitionState.CLOSED
+    assert h.partition.feed_cache.get(PID, 0).req_id == rid(1, 1)
+
+
 def test_an_in_flight_conflict_waits_for_the_commit_then_fails(h):
     conn = DummyConnection()
     h.mount(conn)

@@ -88,3 +88,26 @@ def test_a_closed_partition_no_longer_reports_its_high_water_mark():
     assert gauge.snapshot() == {'{partition="0"}': 0}
     s.partition.close()
     assert gauge.snapshot() == {}
+
+
+def test_an_append_released_while_a_recovery_settles_is_numbered_after_the_recovered_mark():
+    # #1 (txn 0) reached a and b but its session died before the quorum was seen; the next recovery resolves
+    # 0 and reports #1 committed. That releases #2 (waiting for capacity), which used to be numbered from the
+    # old mark: txn 0 again, reported committed in the caches and the feed while the storages hold #1.
+    setup = Setup(manual=True)
+    setup.partition.settings = PartitionSettings(max_pending_appends=1)
+    setup.append(1)
+    setup.append(2)
+    setup.clock.advance(0)
+    first = setup.replicas.sessions[0]
+    a, b, _ = (first.replicas_by_name[s] for s in STORAGES)
+    a.ack()
+    first.close("b's ack lost")
+    b.ack()
+    setup.clock.advance(0)
+    second = setup.replicas.sessions[1]
+    sent = [call[1] for call in second.replicas_by_name[STORAGES[0]].calls if call[0] == "append"]
+    assert sent == [(1,)]
+    setup.ack()
+    setup.clock.advance(0)
+    assert [(m.transaction_id, m.req_id.seq_num) for m in setup.conn.of(FeedData)] == [(0, 1), (1, 2)]

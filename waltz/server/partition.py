@@ -719,6 +719,16 @@ class ServerPartition:
         self._in_flight -= 1
         if self.state is PartitionState.CLOSED:
             return
+        if transaction_id <= self.high_water_mark:
+            # The store reported an id already committed: cached and fed, it would carry two transactions
+            # under one id. A store bug; stop serving the partition rather than serve that.
+            self.log.critical("partition {pid}: the store reported append {req_id} committed as transaction "
+                              "{txn}, at or below the high-water mark {hwm}; closing the partition",
+                              pid=self.partition_id, req_id=item.request.req_id, txn=transaction_id,
+                              hwm=self.high_water_mark)
+            self.close().addErrback(lambda f: self.log.failure("closing partition {pid} failed", f,
+                                                                 pid=self.partition_id))
+            return
         request = item.request
         self.feed_cache.add(self.partition_id, RecordHeader(transaction_id, request.req_id, request.header))
         self.data_cache.put(self.partition_id, transaction_id, request.data, request.checksum)

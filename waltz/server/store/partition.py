@@ -166,8 +166,10 @@ class StorePartition:
     def _session_recovered(self, result, session):
         if session is not self.session or session.state is not SessionState.WRITING:
             return None
-        self._settle(result.high_water_mark)
+        # The mark first: settling reports appends, and their callbacks may append at once (an append task
+        # released). Numbered from the old mark, such an append would reuse a committed transaction id.
         self.high_water_mark = max(self.high_water_mark, result.high_water_mark)
+        self._settle(result.high_water_mark)
         self._notify()
         self._pump()
         return None
