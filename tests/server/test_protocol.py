@@ -263,6 +263,25 @@ def test_an_append_over_the_lock_limit_closes_only_that_connection():
     assert len(cluster.store.pending) == 1 and not other_transport.disconnecting
 
 
+@pytest.mark.parametrize("message", [
+    cm.MountRequest(rid(0), -5, 1),
+    cm.FeedRequest(rid(0), -2),
+    cm.AppendRequest.create(rid(1), -3, 0, b"x"),
+    cm.AppendRequest.create(rid(1), 2 ** 62, 0, b"x", write_locks=[7]),   # ahead: its locks never checked
+], ids=["mount below -1", "feed below -1", "append below -1", "append ahead of the partition"])
+def test_a_client_high_water_mark_no_client_can_have_closes_only_that_connection(message):
+    # Below -1, a feed never found its first record and took every store read of the partition from the
+    # other clients' catch-ups; ahead of the partition, every lock check passed.
+    cluster, proto, transport, other, other_transport = two_connections_the_other_mounted()
+    proto.dataReceived(frame(cm.MountRequest(rid(0), -1, 1)))
+    cluster.clock.advance(0)
+    transport.clear()
+    proto.dataReceived(frame(message))
+    assert transport.disconnecting and cluster.store.pending == []
+    other.dataReceived(frame(cm.AppendRequest.create(rid(1, client=2), -1, 0, b"fine")))
+    assert len(cluster.store.pending) == 1 and not other_transport.disconnecting
+
+
 def test_appends_over_the_cap_pause_reading_until_the_store_catches_up():
     cluster = Cluster(settings=PartitionSettings(max_pending_appends=2))
     proto, transport = server_over_string_transport(cluster)

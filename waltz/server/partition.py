@@ -61,6 +61,7 @@ from waltz.protocols.client_messages import (
     RETRY_LATER_MARK, AppendRequest, FeedRequest, FeedSuspended, FlushRequest, FlushResponse, HighWaterMarkRequest,
     HighWaterMarkResponse, LockFailure, MountRequest, MountResponse, MountState, TransactionDataBatchRequest,
     TransactionDataBatchResponse, TransactionDataRequest, TransactionDataResponse, not_served_error)
+from waltz.protocols.errors import ProtocolError
 from waltz.protocols.values import RecordHeader
 from waltz.server.caches import HEADER_BYTES, FeedCache, TransactionDataCache
 from waltz.server.feed import FeedContext, FeedScheduler
@@ -624,6 +625,11 @@ class ServerPartition:
 
     def _append(self, connection, request):
         self.metrics.appends.inc(1, self.partition_id)
+        if request.client_hwm > self.high_water_mark and self.state is PartitionState.SERVING:
+            # It claims to have applied transactions that do not exist: its locks would never be checked
+            # (no estimate exceeds it). A legitimate client mounted here is never ahead (CLIENT_AHEAD).
+            raise ProtocolError("append %s claims client high-water mark %d, above partition %d's %d"
+                                % (request.req_id, request.client_hwm, self.partition_id, self.high_water_mark))
         drop = self._append_drop_reason(connection, request)
         if drop is not None:
             self.metrics.dropped_appends.inc(1, self.partition_id, drop.value)

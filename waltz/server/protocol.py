@@ -93,6 +93,8 @@ class ServerProtocol(WaltzProtocol):
     pause_reading_while_unwritable = True
     #: Messages handled by a partition.
     PARTITION_MESSAGES = frozenset(ServerPartition.HANDLERS)
+    #: The partition messages that carry the client's high-water mark.
+    _CLIENT_HWM_MESSAGES = frozenset((cm.MountRequest, cm.FeedRequest, cm.AppendRequest))
 
     def __init__(self, registry):
         super().__init__()
@@ -129,6 +131,11 @@ class ServerProtocol(WaltzProtocol):
                 # the frame limit of the connections it crosses.
                 raise ProtocolError("append of %d bytes of data, over the limit of %d"
                                     % (len(message.data), MAX_TRANSACTION_DATA_SIZE))
+            if kind in self._CLIENT_HWM_MESSAGES and message.client_hwm < -1:
+                # No transaction has such an id; a feed from it would never find its first record, and
+                # take every store read of the partition from the other clients' catch-ups.
+                raise ProtocolError("%s with client high-water mark %d, below -1"
+                                    % (kind.__name__, message.client_hwm))
             return self._partition_message(message)
         request = SERVER_REQUESTS.get(kind)
         if request is None:
