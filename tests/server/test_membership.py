@@ -9,6 +9,8 @@ import pytest_twisted
 from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss
 from twisted.internet import defer, reactor, task
+from twisted.internet.task import Clock
+from twisted.python.failure import Failure
 
 from tests.conftest import TEST_PARTITIONS, zk_client_for
 from waltz.server.assignment import partitions_of
@@ -407,3 +409,42 @@ def test_server_partitions_follow_the_assignment():
     assert first.closed and made[2].closed and not made[3].closed
     assert sorted(store.closed) == [0, 1, 1]
     assert partitions.partition(0) is None and sorted(partitions.opened) == [2]
+
+
+class _UnreachableAssignment:
+    """Cluster metadata whose assignment reads fail (a transient ZooKeeper error), over a connected client."""
+
+    class zk:
+        session_timeout_ms = 30000
+        connected = True
+        session_id = 2
+
+        @staticmethod
+        def add_state_listener(listener):
+            pass
+
+    def __init__(self):
+        self.reads = 0
+
+    def partition_assignment(self):
+        self.reads += 1
+        return defer.fail(RuntimeError("transient ZooKeeper error"))
+
+
+def test_a_pending_rejoin_retry_does_not_stand_in_for_a_reconcile_retry():
+    # The rejoin failed while connected (a retry is pending); a CONNECTED event then re-registered at once,
+    # and the reconcile that followed failed. Its retry used to be dropped because the rejoin's timer was
+    # active: the server held no partitions until some other watch event.
+    clock = Clock()
+    cluster = _UnreachableAssignment()
+    membership = ServerMembership(cluster, "127.0.0.1", 1, lambda partitions: None, reactor=clock)
+    membership.server_id = 1
+    membership.state = MembershipState.REJOINING
+    membership._rejoin_failed(Failure(RuntimeError("register failed")))
+    membership.state = MembershipState.MEMBER
+    membership.request_reconcile()
+    assert cluster.reads == 1
+    clock.advance(membership.retry_interval)
+    assert cluster.reads == 2
+    membership.stop()
+    assert clock.getDelayedCalls() == []

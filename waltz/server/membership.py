@@ -143,7 +143,9 @@ class ServerMembership:
         self._rejoining = False
         self._reconciling = False
         self._reconcile_again = False
-        self._retry_call = None
+        # Separate timers: a rejoin retry pending must not stand in for a reconcile retry (or back).
+        self._rejoin_call = None
+        self._reconcile_call = None
         self._disconnected_call = None  # gives the partitions up if the connection stays lost
         # Registration changes (re-registering, preferred partitions) one at a time; the count tells a
         # reconcile pass whether one happened while it read the descriptors.
@@ -227,8 +229,9 @@ class ServerMembership:
         for handle in self._watches:
             handle.cancel()
         self._watches = []
-        if self._retry_call is not None and self._retry_call.active():
-            self._retry_call.cancel()
+        for call in (self._rejoin_call, self._reconcile_call):
+            if call is not None and call.active():
+                call.cancel()
         self._cancel_disconnected_call()
         if self._prober.running:
             self._prober.stop()
@@ -343,7 +346,7 @@ class ServerMembership:
         self.log.warn("server {id} could not register again: {error}; retrying", id=self.server_id,
                       error=failure.getErrorMessage())
         if self.cluster.zk.connected:
-            self._retry_call = self.reactor.callLater(self.retry_interval, self._rejoin)
+            self._rejoin_call = self.reactor.callLater(self.retry_interval, self._rejoin)
 
     # --- reconciling -----------------------------------------------------------------------------
 
@@ -379,8 +382,8 @@ class ServerMembership:
             self._reconciling = False
 
     def _schedule_retry(self):
-        if self._retry_call is None or not self._retry_call.active():
-            self._retry_call = self.reactor.callLater(self.retry_interval, self.request_reconcile)
+        if self._reconcile_call is None or not self._reconcile_call.active():
+            self._reconcile_call = self.reactor.callLater(self.retry_interval, self.request_reconcile)
 
     @defer.inlineCallbacks
     def _reconcile(self):
