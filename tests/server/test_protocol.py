@@ -301,6 +301,22 @@ def test_appends_over_the_cap_pause_reading_until_the_store_catches_up():
     assert cluster.partition.high_water_mark == 7
 
 
+def test_flushes_waiting_for_appends_in_flight_pause_reading():
+    # Each FLUSH queues a barrier until the appends before it settle; they used to pile up without limit.
+    cluster = Cluster()
+    proto, transport = server_over_string_transport(cluster)
+    proto.inbound_high_watermark, proto.inbound_low_watermark = 3, 1
+    proto.dataReceived(frame(cm.MountRequest(rid(0), -1, 1)))
+    cluster.clock.advance(0)
+    proto.dataReceived(frame(cm.AppendRequest.create(rid(1), -1, 0, b"x")))
+    proto.dataReceived(b"".join(frame(cm.FlushRequest(rid(1))) for _ in range(10)))
+    assert transport.producerState == "paused" and proto.reading_paused
+    cluster.store.commit()
+    cluster.clock.advance(0)
+    assert transport.producerState == "producing"
+    assert [m.high_water_mark for m in frames_in(transport.value()) if isinstance(m, cm.FlushResponse)] == [0] * 10
+
+
 def test_feeds_stop_while_the_client_reads_slowly_and_resume_when_it_catches_up():
     cluster = Cluster(records=50, settings=PartitionSettings(min_fetch_size=10))
     proto, transport = server_over_string_transport(cluster)

@@ -469,10 +469,9 @@ class ServerPartition:
                           pid=self.partition_id, client=req_id.client_id, key=key, old=current.key)
             self.feeds.remove_connection(current.connection)
         self._mounts[req_id.client_id] = MountedClient(req_id.client_id, key, connection, req_id)
-        self._enqueue_barrier().addCallbacks(
+        return self._enqueue_barrier().addCallbacks(     # (returned, like a flush's barrier)
             self._mount_flushed, self._mount_abandoned,
             callbackArgs=(connection, request), errbackArgs=(connection, request))
-        return None
 
     def _mount_flushed(self, high_water_mark, connection, request):
         req_id = request.req_id
@@ -535,10 +534,11 @@ class ServerPartition:
     def _flush(self, connection, request):
         if self.state is PartitionState.CLOSED:
             return None
-        self._enqueue_barrier().addCallbacks(
+        # Returned: a barrier waiting counts toward the connection's inbound back pressure, so a client
+        # sending FLUSH after FLUSH while appends are in flight stops being read instead of queueing them.
+        return self._enqueue_barrier().addCallbacks(
             lambda hwm: connection.sendMessage(FlushResponse(request.req_id, hwm)),
             lambda failure: failure.trap(PartitionClosed))
-        return None
 
     def _high_water_mark(self, connection, request):
         self._when_serving().addCallbacks(
