@@ -57,7 +57,8 @@ def lock_hashes(locks) -> tuple:
 def _lock_list(locks, kind: str) -> tuple:
     """:func:`lock_hashes` of one kind of a transaction's locks; :class:`ValueError` over the limit."""
     hashes = lock_hashes(locks)
-    _check_lock_hashes(hashes, kind)
+    if len(hashes) > MAX_LOCKS_PER_KIND:
+        _check_lock_hashes(hashes, kind)
     return hashes
 
 
@@ -68,9 +69,19 @@ def _check_header(header):
         raise ValueError("a transaction header is a signed 32-bit int, got %d" % header)
 
 
+def _wire_ready_hashes(hashes) -> bool:
+    """Whether ``hashes`` is what :func:`lock_hashes` makes: a tuple of 32-bit ints (checked per append)."""
+    if type(hashes) is not tuple:
+        return False
+    for h in hashes:
+        if type(h) is not int or not -2 ** 31 <= h < 2 ** 31:
+            return False
+    return True
+
+
 def _check_lock_hashes(hashes, kind):
-    """Lock hashes as :func:`lock_hashes` makes them (use the setters): a tuple of 32-bit ints."""
-    if not isinstance(hashes, tuple) or any(type(h) is not int or not -2 ** 31 <= h < 2 ** 31 for h in hashes):
+    """Lock hashes as :func:`lock_hashes` makes them (use the setters): a tuple of 32-bit ints, not too many."""
+    if not _wire_ready_hashes(hashes):
         raise TypeError("the %s locks must be set with set_%s_locks, got %r" % (kind, kind, hashes))
     if len(hashes) > MAX_LOCKS_PER_KIND:
         raise ValueError("%d %s locks are over the limit of %d per transaction"
@@ -164,12 +175,17 @@ class TransactionBuilder:
         """The append request (data defaults to empty bytes). :class:`TypeError` or :class:`ValueError`
         when a field cannot go on the wire (set directly instead of through the setters, which check
         them), or the data is larger than a transaction may carry (``MAX_TRANSACTION_DATA_SIZE``, 15 MiB)."""
-        _check_header(self.header)
+        header = self.header
+        if type(header) is not int or not -2 ** 31 <= header < 2 ** 31:
+            _check_header(header)
         data = self.data if self.data is not None else b""
         if type(data) is not bytes:
             raise TypeError("transaction data must be bytes (use set_transaction_data), got %s" % type(data).__name__)
-        for kind, hashes in (("write", self.write_locks), ("read", self.read_locks), ("append", self.append_locks)):
-            _check_lock_hashes(hashes, kind)
+        write, read, append = self.write_locks, self.read_locks, self.append_locks
+        if not (_wire_ready_hashes(write) and _wire_ready_hashes(read) and _wire_ready_hashes(append)) or \
+                max(len(write), len(read), len(append)) > MAX_LOCKS_PER_KIND:
+            for kind, hashes in (("write", write), ("read", read), ("append", append)):
+                _check_lock_hashes(hashes, kind)
         if len(data) > MAX_TRANSACTION_DATA_SIZE:
             raise ValueError("transaction data of %d bytes is over the limit of %d bytes (%d MiB)"
                              % (len(data), MAX_TRANSACTION_DATA_SIZE, MAX_TRANSACTION_DATA_SIZE // 2 ** 20))
