@@ -675,7 +675,8 @@ def test_dropping_a_partition_settles_its_pending_appends_first(harness):
     assert sent.events == ["execute", ("exception", "PartitionInactiveError")]
 
 
-def test_a_partition_dropped_and_added_back_during_an_apply_applies_each_transaction_once(harness):
+def applying_the_first_of_two(harness):
+    """``(client, callbacks)``: partition 0 chosen, transactions 0 and 1 committed, the apply of 0 pending."""
     callbacks = RecordingCallbacks()
     client = harness.client(callbacks, **{"client.autoMount": False})
     client.set_partitions([0])
@@ -685,6 +686,11 @@ def test_a_partition_dropped_and_added_back_during_an_apply_applies_each_transac
     harness.commit(0)
     harness.settle()
     assert [t.transaction_id for t, _ in callbacks.pending] == [0]
+    return client, callbacks
+
+
+def test_a_partition_dropped_and_added_back_during_an_apply_applies_each_transaction_once(harness):
+    client, callbacks = applying_the_first_of_two(harness)
     client.set_partitions([])                 # waits for the apply of transaction 0 to end...
     client.set_partitions([0])                # ...so adding it back does not deliver 0 again
     harness.settle()
@@ -697,14 +703,7 @@ def test_a_partition_dropped_and_added_back_during_an_apply_applies_each_transac
 
 
 def test_a_partition_dropped_during_an_apply_becomes_inactive_once_it_ends(harness):
-    callbacks = RecordingCallbacks()
-    client = harness.client(callbacks, **{"client.autoMount": False})
-    client.set_partitions([0])
-    harness.settle()
-    callbacks.hold = True
-    harness.commit(0)
-    harness.commit(0)
-    harness.settle()
+    client, callbacks = applying_the_first_of_two(harness)
     client.set_partitions([])
     harness.settle()
     assert client.partition_state(0) is not PartitionState.INACTIVE

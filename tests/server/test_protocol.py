@@ -301,20 +301,25 @@ def test_appends_over_the_cap_pause_reading_until_the_store_catches_up():
     assert cluster.partition.high_water_mark == 7
 
 
-def test_flushes_waiting_for_appends_in_flight_pause_reading():
-    # Each FLUSH queues a barrier until the appends before it settle; they used to pile up without limit.
+def test_flushes_waiting_for_appends_in_flight_wait_as_one_and_do_not_stop_reading():
+    # Each FLUSH used to queue its own barrier, without limit. Counted toward the connection's back
+    # pressure instead, FLUSHes waiting on a partition whose store cannot recover would stop the reading of
+    # every other partition on that connection. Now they wait at one barrier, a repeated one adds nothing,
+    # and reading goes on.
     cluster = Cluster()
     proto, transport = server_over_string_transport(cluster)
     proto.inbound_high_watermark, proto.inbound_low_watermark = 3, 1
     proto.dataReceived(frame(cm.MountRequest(rid(0), -1, 1)))
     cluster.clock.advance(0)
     proto.dataReceived(frame(cm.AppendRequest.create(rid(1), -1, 0, b"x")))
-    proto.dataReceived(b"".join(frame(cm.FlushRequest(rid(1))) for _ in range(10)))
-    assert transport.producerState == "paused" and proto.reading_paused
+    proto.dataReceived(b"".join(frame(cm.FlushRequest(rid(1))) for _ in range(1000)))
+    proto.dataReceived(frame(cm.FlushRequest(rid(2))))
+    assert transport.producerState == "producing" and not proto.reading_paused
+    assert cluster.partition.pending_appends == 1 and len(cluster.partition._queue) == 1
     cluster.store.commit()
     cluster.clock.advance(0)
-    assert transport.producerState == "producing"
-    assert [m.high_water_mark for m in frames_in(transport.value()) if isinstance(m, cm.FlushResponse)] == [0] * 10
+    answers = [m for m in frames_in(transport.value()) if isinstance(m, cm.FlushResponse)]
+    assert answers == [cm.FlushResponse(rid(1), 0), cm.FlushResponse(rid(2), 0)]
 
 
 def test_feeds_stop_while_the_client_reads_slowly_and_resume_when_it_catches_up():

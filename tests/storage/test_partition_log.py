@@ -354,6 +354,19 @@ def test_a_truncation_that_cannot_reopen_a_damaged_segment_makes_the_log_unusabl
             attempt()
 
 
+def test_a_truncation_that_fails_to_open_the_segment_to_keep_makes_the_log_unusable(small_log, monkeypatch):
+    small_log.append(small_records(0, 12))   # segments 0, 4, 8
+
+    def out_of_descriptors(cls, *args, **kwargs):
+        raise OSError(24, "Too many open files")
+    monkeypatch.setattr(segment_module.Segment, "open", classmethod(out_of_descriptors))
+    with pytest.raises(OSError, match="Too many open files"):
+        small_log.truncate(6)
+    monkeypatch.undo()
+    with pytest.raises(StorageError, match="unusable: truncation to 6 could not reopen segment 4"):
+        small_log.check_usable()
+
+
 def test_truncate_to_minus_one_empties_the_partition(small_log):
     small_log.append(small_records(0, 9))
     small_log.truncate(-1)

@@ -259,15 +259,20 @@ async def test_a_sync_failing_inside_an_append_stops_the_partition_reporting_its
     assert harness.node.assigned_status() == ((0, False),)
 
 
-@pytest_twisted.ensureDeferred
-async def test_unassigning_with_delete_repairs_a_corrupted_control_record(tmp_path):
-    directory = str(tmp_path / "storage")
+async def stopped_with_five_records(directory):
+    """A storage node in ``directory`` that stored transactions 0..4 of partition 0, then stopped."""
     first = Harness(directory)
     await first.start()
     await assign(first, 0)
     s = await first.connect()
     await s.request(sm.AppendRequest(1, 0, 0, records(0, 5), False))
     await first.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_unassigning_with_delete_repairs_a_corrupted_control_record(tmp_path):
+    directory = str(tmp_path / "storage")
+    await stopped_with_five_records(directory)
     path = os.path.join(directory, CONTROL_FILE_NAME)
     with open(path, "r+b") as f:                # both structs of partition 0 unreadable
         f.seek(HEADER_SIZE + 4)
@@ -308,12 +313,7 @@ async def test_deleting_a_partition_resets_its_record_before_its_files_go(harnes
 @pytest_twisted.ensureDeferred
 async def test_a_deletion_a_crash_interrupted_is_finished_at_start(tmp_path):
     directory = str(tmp_path / "storage")
-    first = Harness(directory)
-    await first.start()
-    await assign(first, 0)
-    s = await first.connect()
-    await s.request(sm.AppendRequest(1, 0, 0, records(0, 5), False))
-    await first.stop()
+    await stopped_with_five_records(directory)
     os.rename(os.path.join(directory, "0"), os.path.join(directory, "0.deleting"))   # crashed after the rename
     second = Harness(directory)
     await second.start()

@@ -15,7 +15,7 @@
 
 import heapq
 import itertools
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -107,7 +107,7 @@ class TransactionMonitor:
         self._pending = OrderedDict()
         self._waiters = []
         self._registrations = 0       # appends registered so far; each is sent as it is registered
-        self._flushes = {}            # flushed ReqId -> deque of the registration counts its FLUSHes covered
+        self._flushes = {}            # flushed ReqId -> registrations its first unanswered FLUSH covers
         #: Reactor time of the last registration or settlement (see ``client.longWaitThreshold``).
         self.last_progress = clock.seconds()
 
@@ -158,7 +158,9 @@ class TransactionMonitor:
     def flush_sent(self, req_id):
         """A FLUSH naming ``req_id`` was sent: its response will answer every append registered (so sent)
         before it, and none registered after it."""
-        self._flushes.setdefault(req_id, deque()).append(self._registrations)
+        # A FLUSH sent again for the same ReqId (a nudge) keeps the first one's count: the server answers
+        # repeated FLUSHes once, and the first count is what any of the answers covers at least.
+        self._flushes.setdefault(req_id, self._registrations)
         self.touch()
 
     def flush(self, req_id):
@@ -166,12 +168,9 @@ class TransactionMonitor:
         that FLUSH and still pending has failed, whether or not ``req_id`` itself still is (a lock failure
         may have ended it meanwhile). Appends sent after the FLUSH are not answered by it (an ``execute``
         that returned a Deferred may send an older ReqId later). Their submissions, oldest first."""
-        marks = self._flushes.get(req_id)
-        if not marks:
-            return []               # not a FLUSH of this mount
-        covered = marks.popleft()
-        if not marks:
-            del self._flushes[req_id]
+        covered = self._flushes.pop(req_id, None)
+        if covered is None:
+            return []               # not a FLUSH of this mount, or one answered already
         settled = []
         while self._pending:
             oldest = next(iter(self._pending))

@@ -209,7 +209,27 @@ class _QueuedAppend:
 
 @attr.s(slots=True, eq=False)
 class _Barrier:
-    deferred = attr.ib(factory=defer.Deferred)
+    """A point in the append queue: its waiters fire with the high-water mark once every append queued
+    before it has settled. Barriers requested back to back are one: a client sending FLUSH after FLUSH
+    while appends are in flight adds waiters (none for a repeated FLUSH), not queue items."""
+
+    waiters = attr.ib(factory=list)
+    keys = attr.ib(factory=set)      # what the waiters answer, e.g. (connection, FLUSH ReqId)
+
+    def wait(self) -> defer.Deferred:
+        d = defer.Deferred()
+        self.waiters.append(d)
+        return d
+
+    def release(self, high_water_mark):
+        waiters, self.waiters = self.waiters, []
+        for d in waiters:
+            d.callback(high_water_mark)
+
+    def abandon(self, error):
+        waiters, self.waiters = self.waiters, []
+        for d in waiters:
+            d.errback(error)
 
 
 #: Most transaction ids one TransactionDataBatchRequest may name.
@@ -469,9 +489,10 @@ class ServerPartition:
                           pid=self.partition_id, client=req_id.client_id, key=key, old=current.key)
             self.feeds.remove_connection(current.connection)
         self._mounts[req_id.client_id] = MountedClient(req_id.client_id, key, connection, req_id)
-        return self._enqueue_barrier().addCallbacks(     # (returned, like a flush's barrier)
+        self._enqueue_barrier().addCallbacks(       # (not returned: see _flush)
             self._mount_flushed, self._mount_abandoned,
             callbackArgs=(connection, request), errbackArgs=(connection, request))
+        return None
 
     def _mount_flushed(self, high_water_mark, connection, request):
         req_id = request.req_id
@@ -534,11 +555,14 @@ class ServerPartition:
     def _flush(self, connection, request):
         if self.state is PartitionState.CLOSED:
             return None
-        # Returned: a barrier waiting counts toward the connection's inbound back pressure, so a client
-        # sending FLUSH after FLUSH while appends are in flight stops being read instead of queueing them.
-        return self._enqueue_barrier().addCallbacks(
-            lambda hwm: connection.sendMessage(FlushResponse(request.req_id, hwm)),
-            lambda failure: failure.trap(PartitionClosed))
+        # Not returned to the connection: a FLUSH may wait for ever on a partition whose store cannot
+        # recover, and counted toward the connection's back pressure, such waits would stop the reading of
+        # every other partition on it. Repeated FLUSHes wait as one (see _Barrier).
+        d = self._enqueue_barrier(key=(connection, request.req_id))
+        if d is not None:
+            d.addCallbacks(lambda hwm: connection.sendMessage(FlushResponse(request.req_id, hwm)),
+                           lambda failure: failure.trap(PartitionClosed))
+        return None
 
     def _high_water_mark(self, connection, request):
         self._when_serving().addCallbacks(
@@ -653,11 +677,21 @@ class ServerPartition:
             return AppendDrop.NOT_MOUNTED
         return None
 
-    def _enqueue_barrier(self) -> defer.Deferred:
-        barrier = _Barrier()
-        self._queue.append(barrier)
+    def _enqueue_barrier(self, key=None):
+        """A Deferred firing with the high-water mark once every append queued so far has settled (failing
+        with PartitionClosed if it closes first); None when ``key`` already waits at that point."""
+        last = self._queue[-1] if self._queue else None
+        if isinstance(last, _Barrier):
+            if key is not None and key in last.keys:
+                return None
+        else:
+            last = _Barrier()
+            self._queue.append(last)
+        if key is not None:
+            last.keys.add(key)
+        d = last.wait()
         self._run_append_task()
-        return barrier.deferred
+        return d
 
     def _run_append_task(self):
         """Take queue items in order until the head must wait (re-entrant calls are no-ops)."""
@@ -680,7 +714,7 @@ class ServerPartition:
         if self._in_flight:
             return AppendTaskState.WAITING_FOR_DRAIN
         self._queue.popleft()
-        barrier.deferred.callback(self.high_water_mark)
+        barrier.release(self.high_water_mark)
         return None
 
     def _process_append(self, item):
@@ -704,7 +738,7 @@ class ServerPartition:
 
     def _abandon(self, item):
         if isinstance(item, _Barrier):
-            item.deferred.errback(PartitionClosed("partition %d closed" % self.partition_id))
+            item.abandon(PartitionClosed("partition %d closed" % self.partition_id))
         else:
             self._release(item)
 
@@ -729,7 +763,8 @@ class ServerPartition:
             # The store reported an id already committed: cached and fed, it would carry two transactions
             # under one id. A store bug; stop serving the partition rather than serve that.
             self.log.critical("partition {pid}: the store reported append {req_id} committed as transaction "
-                              "{txn}, at or below the high-water mark {hwm}; closing the partition",
+                              "{txn}, at or below the high-water mark {hwm}; closing the partition (it stays "
+                              "closed on this server until it is reassigned or the server restarts)",
                               pid=self.partition_id, req_id=item.request.req_id, txn=transaction_id,
                               hwm=self.high_water_mark)
             self.close().addErrback(lambda f: self.log.failure("closing partition {pid} failed", f,

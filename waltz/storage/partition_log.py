@@ -260,7 +260,7 @@ class PartitionLog:
         if self._segment_ids:
             try:
                 self._active = self._reopen_for_writing(self._segment_ids[-1])
-            except StorageError as exc:
+            except Exception as exc:        # damage, or an OSError (EMFILE, EIO) opening or reading it
                 # The newer segments are gone already: without its active segment the log would report
                 # itself empty (a replica voting -1) and refuse appends. Unusable until a restart judges it.
                 self._unusable = "truncation to %d could not reopen segment %d: %s" % (
