@@ -440,10 +440,14 @@ class RecoveryManager:
                    for r in self.recoveries.values())
 
     def _read_from_voters(self, recovery, mark, first, count):
-        holders = [other.replica for other in self.recoveries.values()
-                   if other is not recovery and other.vote is not None and other.vote >= mark
-                   and other.replica.connected]
+        holders = [other.replica for other in self._voters_holding(mark, recovery)]
         return read_from_any(holders, RECORDS, first, count, self._usher_failed)
+
+    def _voters_holding(self, mark, recovery):
+        """The recoveries other than ``recovery`` of connected replicas that voted ``mark`` or more."""
+        return [other for other in self.recoveries.values()
+                if other is not recovery and other.replica.connected and other.vote is not None
+                and other.vote >= mark]
 
     def raise_failed(self, recovery, failure):
         """A copy raising a vote failed; the next check (every retry interval) tries again."""
@@ -467,10 +471,8 @@ class RecoveryManager:
     def ushers_for(self, recovery, first) -> defer.Deferred:
         """Fires with the connected replicas holding the records from ``first`` up to the resolved mark
         (all of them, to copy from in turn), waiting while there are none."""
-        ushers = [other.replica for other in self.recoveries.values()
-                  if other is not recovery and other.replica.connected and other.vote is not None
-                  and other.vote >= self.high_water_mark and other.max_transaction_id is not None
-                  and other.max_transaction_id >= first]
+        ushers = [other.replica for other in self._voters_holding(self.high_water_mark, recovery)
+                  if other.max_transaction_id is not None and other.max_transaction_id >= first]
         if ushers:
             return defer.succeed(ushers)
         waiter = defer.Deferred()
