@@ -89,6 +89,32 @@ def test_client_ahead_mounts_again_when_the_partition_moves(harness):
     assert client.partition_state(0) is PartitionState.MOUNTED
 
 
+def test_client_ahead_then_moved_applies_each_transaction_once(harness):
+    """Re-activated after CLIENT_AHEAD, the partition reads the application's mark afresh: the apply
+    still running ends first, and the items queued behind it are fed again, not delivered twice."""
+    callbacks = RecordingCallbacks()
+    callbacks.hold = True
+    client = harness.client(callbacks)
+    for header in (10, 11, 12):
+        harness.commit(0, header=header)
+    assert [t.transaction_id for t, _ in callbacks.pending] == [0]     # 1 and 2 queued behind it
+    del harness.logs[0].records[1:]         # the cluster lost what the client received: it is ahead
+    harness.server_b.partitions = {0}
+    harness.discovery.move(0, EP_B, 2)
+    harness.settle()
+    assert client.partition_state(0) is PartitionState.CLIENT_AHEAD
+    for header in (21, 22):
+        harness.commit(0, header=header)
+    harness.server_a.partitions = {0, 1}
+    harness.discovery.move(0, EP_A, 3)
+    harness.settle()
+    for _ in range(5):
+        callbacks.release()
+        harness.settle()
+    assert [(t.transaction_id, t.header) for t in callbacks.applied] == [(0, 10), (1, 21), (2, 22)]
+    assert client.partition_state(0) is PartitionState.MOUNTED
+
+
 # --- executing ---------------------------------------------------------------------------------
 
 def test_execute_appends_with_req_id_hwm_header_and_lock_hashes(harness):

@@ -148,6 +148,7 @@ class ClientPartition:
         self._feed = deque()
         self._applying = False
         self._apply_in_flight = False   # an apply_transaction Deferred has not fired yet
+        self._activate_after_apply = False  # an activation (after CLIENT_AHEAD) waits for that Deferred
         self._draining = False
         self._building = set()
         self._apply_failures = 0
@@ -197,7 +198,15 @@ class ClientPartition:
         if self.state is PartitionState.CLOSED:
             return
         self.wanted = True
-        if self.state not in (PartitionState.INACTIVE, PartitionState.CLIENT_AHEAD):
+        if self.state is PartitionState.CLIENT_AHEAD:
+            # The application's mark is read afresh: an apply still running must end first (else the
+            # mark misses it and the transaction is delivered again, concurrently), and what is queued
+            # behind it was received against the old mark, so it is dropped and fed again.
+            if self._apply_in_flight:
+                self._activate_after_apply = True
+                return
+            self._drop_feed()
+        elif self.state is not PartitionState.INACTIVE:
             return
         self._set_state(PartitionState.ACTIVATING)
         d = defer.maybeDeferred(self._callbacks.get_client_high_water_mark, self.partition_id)
@@ -440,6 +449,7 @@ class ClientPartition:
     def _applied(self, _, item):
         self._apply_in_flight = False
         if self.state is PartitionState.CLOSED or not self._feed or self._feed[0] is not item:
+            self._resume_activation()
             return
         self._feed.popleft()
         self._applying = False
@@ -451,6 +461,8 @@ class ClientPartition:
         self._gates.release(self.applied_hwm)
         self._release_apply_waiters()
         self._finish_deactivation()
+        if self._resume_activation():
+            return
         # _drain pumps once it has applied all it can (not once per item: a pump costs more than
         # a synchronous apply, and retries released above start with a higher high-water mark).
         self._drain()
@@ -458,6 +470,7 @@ class ClientPartition:
     def _apply_failed(self, failure, item):
         self._apply_in_flight = False
         if self.state is PartitionState.CLOSED or not self._feed or self._feed[0] is not item:
+            self._resume_activation()
             return
         self._apply_failures += 1
         delay = min(MAX_APPLY_RETRY_INTERVAL,
@@ -467,6 +480,17 @@ class ClientPartition:
         self._report(item.transaction_id, failure.value)
         self._later("apply", delay, self._retry_apply)
         self._finish_deactivation()     # a deactivation waiting for this apply goes on (no retry then)
+        self._resume_activation()       # so does an activation (which drops the retry)
+
+    def _resume_activation(self):
+        """Once an apply has ended: an activation that waited for it goes on. True if one did."""
+        if not self._activate_after_apply:
+            return False
+        self._activate_after_apply = False
+        if not self.wanted or self.state is not PartitionState.CLIENT_AHEAD:
+            return False
+        self.activate()
+        return True
 
     def _retry_apply(self):
         self._applying = False
