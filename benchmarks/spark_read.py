@@ -125,7 +125,7 @@ def client_read(cluster):
 def limit_reader(connect_string, root):
     """The limit run, in its own process: the blocking facade reads every partition, chunk by chunk."""
     from waltz.client.blocking import BlockingWaltzClient
-    from waltz.spark.reading import chunks
+    from waltz.spark.reading import read_in_chunks
     client = BlockingWaltzClient.for_reading({"zookeeper.connectString": connect_string, "cluster.root": root},
                                              timeout=600)
     try:
@@ -133,8 +133,9 @@ def limit_reader(connect_string, root):
         rows = size = 0
         began = time.perf_counter()
         for pid, mark in sorted(marks.items()):
-            for first, last in chunks(0, mark):
-                records = client.read_transactions(pid, first, last, committed=True)
+            chunks = read_in_chunks(lambda first, last: client.read_transactions(pid, first, last, committed=True),
+                                    0, mark)
+            for _, _, records in chunks:
                 rows += len(records)
                 size += sum(len(r.data) for r in records)
         seconds = time.perf_counter() - began

@@ -78,6 +78,31 @@ async def test_blocking_calls_from_a_script_thread():
     assert callbacks.threads == {"PoolThread-waltz-callbacks-0"}
 
 
+@pytest_twisted.ensureDeferred
+async def test_a_read_that_timed_out_is_cancelled_and_the_next_read_goes_on():
+    store, server, port, discovery = fake_cluster()
+    for seq in range(3):
+        store.commit(0, ReqId(99, 1, 0, seq), 5, b"x%d" % seq)
+
+    def script():
+        from waltz.client.blocking import ReadOnlyCallbacks
+        client = BlockingWaltzClient(ReadOnlyCallbacks(), {**BASE_CONFIG, "client.autoMount": False},
+                                     discovery=discovery, timeout=1)
+        try:
+            with pytest.raises(TimeoutError):
+                client.read_transactions(0, 0, 5)      # beyond the high-water mark (2): waits
+            # before the fix the first read held the partition's read lock for ever: this one timed out too
+            records = client.read_transactions(0, 0, 2)
+            return [r.transaction_id for r in records], len(client.client._reads)
+        finally:
+            client.close()
+    try:
+        ids, reads_left = await threads.deferToThread(script)
+    finally:
+        await port.stopListening()
+    assert ids == [0, 1, 2] and reads_left == 0
+
+
 def test_the_facade_refuses_the_reactor_thread():
     # pytest-twisted runs the reactor in this thread
     with pytest.raises(RuntimeError, match="reactor thread"):

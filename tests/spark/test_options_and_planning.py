@@ -59,8 +59,10 @@ def test_ranges_resolve_earliest_latest_and_per_partition_ids():
 def test_splits_cut_ranges_and_stream_offsets_are_high_water_marks():
     assert plan_splits({0: (0, 24), 1: (5, 4)}, 10) == [WaltzSplit(0, 0, 9), WaltzSplit(0, 10, 19),
                                                         WaltzSplit(0, 20, 24)]
-    assert initial_offsets(options(startingTransactionIds='{"1": -1}'), 2, {0: 7, 1: 7}) == {"0": -1, "1": 7}
+    assert initial_offsets(options(startingTransactionIds='{"1": -1, "0": 2}'), 2, {0: 7, 1: 7}) == {
+        "0": 1, "1": "latest"}
     assert stream_ranges({"0": -1, "1": 7}, {"0": 3, "1": 9}) == {0: (0, 3), 1: (8, 9)}
+    assert stream_ranges({"0": -1, "1": "latest"}, {"0": 3, "1": 9}) == {0: (0, 3), 1: (10, 9)}
 
 
 def test_batch_messages_need_version_5():

@@ -53,21 +53,25 @@ def ensure_reactor_running(reactor, timeout=30.0):
             raise RuntimeError("the reactor did not start within %s s" % timeout)
 
 
-def call_blocking(reactor, function, *args, timeout=None, **kwargs):
+def call_blocking(reactor, function, *args, timeout=None, cancel_on_timeout=False, **kwargs):
     """Run ``function`` on the reactor thread and wait for its (possibly Deferred) result.
 
     Raises the function's exception, or :class:`TimeoutError` after ``timeout`` seconds
-    (the call itself goes on), or :class:`RuntimeError` on the reactor thread itself.
+    (the call itself goes on, unless ``cancel_on_timeout``: its Deferred is then cancelled),
+    or :class:`RuntimeError` on the reactor thread itself.
     """
     _refuse_reactor_thread(reactor)
     results = queue.Queue()
+    calls = []
 
     def run():
-        defer.maybeDeferred(function, *args, **kwargs).addBoth(results.put)
+        calls.append(defer.maybeDeferred(function, *args, **kwargs).addBoth(results.put))
     reactor.callFromThread(run)
     try:
         result = results.get(timeout=timeout)
     except queue.Empty:
+        if cancel_on_timeout:   # after run(): callFromThread keeps the order
+            reactor.callFromThread(lambda: calls[0].cancel())
         raise TimeoutError("no answer from the Waltz client within %s s" % timeout) from None
     if isinstance(result, Failure):
         result.raiseException()
@@ -243,9 +247,10 @@ class BlockingWaltzClient:
 
     def read_transactions(self, partition_id, start, end=None, headers=None, include_data=True, committed=False):
         """The :class:`~waltz.client.api.TransactionRecord` list of ``start..end`` (see
-        ``WaltzClient.read_transactions``)."""
-        return self._call(self.client.read_transactions, partition_id, start, end, headers, include_data,
-                          committed)
+        ``WaltzClient.read_transactions``). A read that times out is cancelled: reads of a partition run
+        one at a time, and the next one would otherwise wait for it."""
+        return call_blocking(self._reactor, self.client.read_transactions, partition_id, start, end, headers,
+                             include_data, committed, timeout=self.timeout, cancel_on_timeout=True)
 
     def set_partitions(self, partition_ids):
         return self._call(self.client.set_partitions, partition_ids)

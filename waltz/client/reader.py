@@ -107,7 +107,7 @@ class FeedRead:
         self._mount_req_id = None
         self._retry_call = None     # asks again after RETRY_LATER
         self._remount_call = None   # looks the partition up again after NOT_READY / not served
-        self._result = defer.Deferred()
+        self._result = defer.Deferred(self._cancelled)
 
     def run(self):
         """Fires with the :class:`TransactionRecord` list, in transaction id order."""
@@ -393,6 +393,12 @@ class FeedRead:
     def abort(self, error):
         """Stop the read (the client is closing)."""
         self._fail(error)
+
+    def _cancelled(self, _):
+        # The caller gave up (a timeout): the connection and its mount go, and reads queued behind this
+        # one on the partition go on.
+        self._fail(defer.CancelledError("read of partition %d from transaction %d cancelled"
+                                        % (self.partition_id, self.start)))
 
     def _set_state(self, state):
         if state is not self.state:

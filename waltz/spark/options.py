@@ -76,6 +76,7 @@ class ReadOptions:
     max_per_split = attr.ib(default=DEFAULT_MAX_PER_SPLIT)
     timeout = attr.ib(default=DEFAULT_TIMEOUT)
     client_overrides = attr.ib(factory=dict)           #: client config keys given as options
+    ending_given = attr.ib(default=False)              #: endingTransactionIds was set (streams refuse it)
 
     def client_config(self):
         """The config of the read-only client that plans and reads (``client.autoMount`` is set by it)."""
@@ -115,6 +116,7 @@ def _parse(values):
         timeout=_optional(values, "timeout", parse_timeout, DEFAULT_TIMEOUT),
         client_overrides={_CLIENT_KEYS_BY_LOWER[key]: value for key, value in values.items()
                           if key in _CLIENT_KEYS_BY_LOWER and key not in ("zookeeper.connectstring", "cluster.root")},
+        ending_given="endingtransactionids" in values,
     )
 
 

@@ -82,27 +82,69 @@ def plan_ranges(options, num_partitions, high_water_marks):
     return ranges
 
 
+#: The value of a partition in a streaming query's first offset when it starts at ``latest``: resolved to
+#: the high-water mark by the first :func:`next_offset`, which Spark writes to its checkpoint. The first
+#: offset itself is never written there (Spark asks for it again on every restart before the first batch
+#: completes), so it must not depend on when it is asked.
+UNRESOLVED_LATEST = "latest"
+
+
 def initial_offsets(options, num_partitions, high_water_marks):
-    """A streaming query's first offset: per partition, the transaction before the first one to read."""
+    """A streaming query's first offset: per partition, the transaction before the first one to read, or
+    :data:`UNRESOLVED_LATEST`."""
     _check_spec_partitions("startingTransactionIds", options.starting, num_partitions)
-    return offsets({pid: resolve_start(options.starting, pid, high_water_marks[pid]) - 1
-                    for pid in selected_partitions(options, num_partitions)})
+    first = {}
+    for pid in selected_partitions(options, num_partitions):
+        if options.starting.value_for(pid) == LATEST:
+            first[pid] = UNRESOLVED_LATEST
+        else:
+            first[pid] = resolve_start(options.starting, pid, high_water_marks[pid]) - 1
+    return offsets(first)
+
+
+def next_offset(start, partition_ids, high_water_marks):
+    """The end offset of the micro-batch starting at offset ``start``: the current high-water marks of
+    ``partition_ids``, never behind ``start``. :class:`OptionError` when ``start`` (the query's checkpoint)
+    covers other partitions than the ``partitions`` option selects now."""
+    previous = offset_marks(start)
+    if set(previous) != set(partition_ids):
+        raise OptionError("partitions", "selects partitions %s, but the streaming query's checkpoint has "
+                          "partitions %s; a query's partitions cannot change (start a new query, with a new "
+                          "checkpoint location, to read others)"
+                          % (_id_list(partition_ids), _id_list(previous)))
+    return offsets({pid: high_water_marks[pid] if mark == UNRESOLVED_LATEST else max(high_water_marks[pid], mark)
+                    for pid, mark in previous.items()})
+
+
+def _id_list(partition_ids):
+    return ",".join(str(pid) for pid in sorted(partition_ids))
 
 
 def offsets(marks):
     """A streaming offset (JSON object: string keys) from ``{partition id: last transaction id}``."""
-    return {str(pid): int(mark) for pid, mark in sorted(marks.items())}
+    return {str(pid): mark if mark == UNRESOLVED_LATEST else int(mark) for pid, mark in sorted(marks.items())}
 
 
 def offset_marks(offset):
-    """``{partition id: last transaction id}`` from a streaming offset."""
-    return {int(pid): int(mark) for pid, mark in offset.items()}
+    """``{partition id: last transaction id or UNRESOLVED_LATEST}`` from a streaming offset."""
+    return {int(pid): mark if mark == UNRESOLVED_LATEST else int(mark) for pid, mark in offset.items()}
 
 
 def stream_ranges(start, end):
-    """The ranges of a micro-batch from offset ``start`` to offset ``end``."""
+    """The ranges of a micro-batch from offset ``start`` to offset ``end`` (empty for a partition whose
+    start is :data:`UNRESOLVED_LATEST`: its end is where the query starts). A range that would start after
+    its end plus one (offsets from another query) raises ``ValueError``."""
     first, last = offset_marks(start), offset_marks(end)
-    return {pid: (first.get(pid, -1) + 1, mark) for pid, mark in last.items()}
+    ranges = {}
+    for pid, mark in last.items():
+        before = first.get(pid, -1)
+        if before == UNRESOLVED_LATEST:
+            before = mark
+        if mark == UNRESOLVED_LATEST or before > mark:
+            raise ValueError("partition %d: a micro-batch from offset %r to offset %r would go backwards"
+                             % (pid, start, end))
+        ranges[pid] = (before + 1, mark)
+    return ranges
 
 
 def plan_splits(ranges, max_per_split):

@@ -2,14 +2,18 @@
 
 A split is read by the Python worker's read-only :class:`~waltz.client.blocking.BlockingWaltzClient`
 (:func:`worker_client`: one per worker, reused by its tasks; its reactor runs in a
-daemon thread of the worker), in chunks of
-:data:`CHUNK_SIZE` transactions, each one ``read_transactions`` call: the
-client verifies every record's CRC32C and fails on a gap in the feed. Each chunk
-is checked again here (ids inside the range, increasing, none missing when no
-header filter applies, data present when asked for) and becomes one
-``pyarrow.RecordBatch`` in the schema's exact Arrow layout. Any problem raises
-:class:`WaltzReadError` naming the partition and transaction: a task fails, it
-never returns a silent gap.
+daemon thread of the worker), in chunks, each one ``read_transactions`` call: the
+client verifies every record's CRC32C and fails on a gap in the feed. Chunks are
+sized by bytes (:func:`next_chunk_size`): the first is :data:`FIRST_CHUNK_SIZE`
+transactions, each next one aims at :data:`CHUNK_BYTES` of data from the sizes read
+so far, growing at most :data:`CHUNK_GROWTH` times and never above
+:data:`MAX_CHUNK_SIZE` transactions, so a worker holds a bounded amount of data
+whatever the transactions' sizes. Each chunk is checked again here (ids inside the
+range, increasing, none missing when no header filter applies, data present when
+asked for) and becomes ``pyarrow.RecordBatch`` objects in the schema's exact Arrow
+layout, each of at most :data:`ARROW_BATCH_BYTES` of data (an Arrow binary column
+holds at most 2 GiB). Any problem raises :class:`WaltzReadError` naming the
+partition and transactions: a task fails, it never returns a silent gap.
 """
 
 import atexit
@@ -21,8 +25,19 @@ from pyspark.sql.types import BinaryType, IntegerType, LongType, StructField, St
 
 from waltz.client.blocking import BlockingWaltzClient
 
-#: Transactions per ``read_transactions`` call (and per Arrow batch).
-CHUNK_SIZE = 50_000
+#: Transactions of a split's first ``read_transactions`` call (at the largest transaction data size,
+#: 15 MB, still under 2 GB).
+FIRST_CHUNK_SIZE = 100
+#: Transactions of one ``read_transactions`` call, at most.
+MAX_CHUNK_SIZE = 50_000
+#: The data (and per-record overhead) a chunk aims at, from the average size read so far.
+CHUNK_BYTES = 64 * 1024 * 1024
+#: How many times larger than the previous one a chunk may be.
+CHUNK_GROWTH = 8
+#: Counted per record on top of its data when sizing chunks (ids, header, request id, Python objects).
+RECORD_OVERHEAD_BYTES = 100
+#: The data of one Arrow record batch, at most (a binary column's offsets are 32-bit: 2 GiB).
+ARROW_BATCH_BYTES = 256 * 1024 * 1024
 
 #: The columns every read has.
 BASE_FIELDS = (
@@ -58,9 +73,18 @@ def reading_client(options):
         client.close()
 
 
-def chunks(start, end, size=CHUNK_SIZE):
-    """``(first, last)`` pieces of ``start..end`` of at most ``size`` transactions."""
-    return [(first, min(end, first + size - 1)) for first in range(start, end + 1, size)]
+def next_chunk_size(previous, records_read, bytes_read):
+    """The size in transactions of the next chunk, after chunks of ``previous`` transactions gave
+    ``records_read`` records of ``bytes_read`` bytes (data and per-record overhead) in all."""
+    if records_read == 0:
+        return min(MAX_CHUNK_SIZE, previous * CHUNK_GROWTH)    # filtered out, or no data: nothing held
+    average = max(1, bytes_read // records_read)
+    return max(1, min(MAX_CHUNK_SIZE, previous * CHUNK_GROWTH, CHUNK_BYTES // average))
+
+
+def record_bytes(records):
+    """The bytes ``records`` hold, as chunk sizing counts them."""
+    return sum(len(r.data or b"") + RECORD_OVERHEAD_BYTES for r in records)
 
 
 #: Read-only clients of this Python worker, by client config (see :func:`worker_client`).
@@ -112,15 +136,36 @@ def read_split(options, split, schema):
     from pyspark.sql.pandas.types import to_arrow_schema
     arrow_schema = to_arrow_schema(schema)
     client = worker_client(options)
-    for first, last in chunks(split.start, split.end):
-        try:
-            records = client.read_transactions(split.partition_id, first, last, options.headers,
-                                               options.include_data, committed=True)
-        except BaseException:
-            _drop_worker_client(options)    # start the next split with a fresh client
-            raise
+    for first, last, records in read_in_chunks(
+            lambda first, last: _read_chunk(client, options, split.partition_id, first, last),
+            split.start, split.end):
         check_records(records, split.partition_id, first, last, options)
-        yield to_record_batch(records, split.partition_id, options, arrow_schema)
+        yield from to_record_batches(records, split.partition_id, options, arrow_schema)
+
+
+def read_in_chunks(read, start, end):
+    """Yield ``(first, last, records)`` for the chunks of ``start..end``, ``records`` being what
+    ``read(first, last)`` returned; chunks are sized by bytes (see the module docstring)."""
+    first, size, records_read, bytes_read = start, FIRST_CHUNK_SIZE, 0, 0
+    while first <= end:
+        last = min(end, first + size - 1)
+        records = read(first, last)
+        yield first, last, records
+        records_read += len(records)
+        bytes_read += record_bytes(records)
+        first, size = last + 1, next_chunk_size(size, records_read, bytes_read)
+
+
+def _read_chunk(client, options, partition_id, first, last):
+    try:
+        return client.read_transactions(partition_id, first, last, options.headers, options.include_data,
+                                        committed=True)
+    except BaseException as exc:
+        _drop_worker_client(options)    # start the next split with a fresh client
+        if isinstance(exc, TimeoutError):
+            raise WaltzReadError("partition %d: transactions %d..%d were not read within %s s (option "
+                                 "'timeout'): %s" % (partition_id, first, last, options.timeout, exc)) from exc
+        raise
 
 
 def check_records(records, partition_id, first, last, options):
@@ -142,6 +187,20 @@ def check_records(records, partition_id, first, last, options):
         expected = txn + 1
     if options.headers is None and expected != last + 1:
         raise WaltzReadError("partition %d: transactions %d..%d are missing" % (partition_id, expected, last))
+
+
+def to_record_batches(records, partition_id, options, arrow_schema):
+    """Arrow batches of ``records`` in order, each of at most :data:`ARROW_BATCH_BYTES` of data (or one
+    record)."""
+    begin, size = 0, 0
+    for index, record in enumerate(records):
+        length = len(record.data or b"")
+        if index > begin and size + length > ARROW_BATCH_BYTES:
+            yield to_record_batch(records[begin:index], partition_id, options, arrow_schema)
+            begin, size = index, 0
+        size += length
+    if begin < len(records) or not records:
+        yield to_record_batch(records[begin:], partition_id, options, arrow_schema)
 
 
 def to_record_batch(records, partition_id, options, arrow_schema):

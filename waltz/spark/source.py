@@ -15,7 +15,7 @@ The driver reads the partitions' high-water marks with a read-only client and pl
 
 from pyspark.sql.datasource import DataSource, DataSourceReader
 
-from waltz.spark.options import parse_options
+from waltz.spark.options import OptionError, parse_options
 from waltz.spark.planning import WaltzSplit, plan_ranges, plan_splits, selected_partitions
 from waltz.spark.reading import read_schema, read_split, reading_client
 
@@ -35,11 +35,26 @@ class WaltzDataSource(DataSource):
         return read_schema(self.read_options.include_request_id)
 
     def reader(self, schema):
-        return WaltzBatchReader(self.read_options, schema)
+        return WaltzBatchReader(self.read_options, self._checked(schema))
 
     def streamReader(self, schema):
         from waltz.spark.stream import WaltzStreamReader
-        return WaltzStreamReader(self.read_options, schema)
+        if self.read_options.ending_given:
+            raise OptionError("endingTransactionIds", "does not apply to streams (a streaming query follows "
+                              "the log as it grows); remove it, or use spark.read for a bounded read")
+        return WaltzStreamReader(self.read_options, self._checked(schema))
+
+    def _checked(self, schema):
+        """``schema`` if it is the source's own (``.schema(...)`` on the reader cannot change the layout:
+        rows are built in it column by column), else an error saying what differs."""
+        expected = self.schema()
+        got = [(f.name, f.dataType) for f in schema.fields]
+        if got != [(f.name, f.dataType) for f in expected.fields]:
+            raise ValueError("the waltz data source reads the schema %s (includeRequestId=%s), not %s; leave "
+                             "the schema out" % (expected.simpleString(),
+                                                 str(self.read_options.include_request_id).lower(),
+                                                 schema.simpleString()))
+        return schema
 
 
 class WaltzBatchReader(DataSourceReader):

@@ -2,13 +2,17 @@
 
 An offset is a JSON object of per-partition high-water marks (``{"0": 41, "1": 7}``:
 partition 0 read up to transaction 41). The first offset comes from
-``startingTransactionIds`` (default earliest, i.e. ``-1`` per partition); each
-trigger's latest offset is the partitions' current high-water marks; a micro-batch
-from ``a`` to ``b`` reads ``a[p] + 1 .. b[p]`` of each partition, split by
-``maxTransactionsPerSplit``. Spark writes the offsets to the query's checkpoint
+``startingTransactionIds`` (default earliest, i.e. ``-1`` per partition; a partition
+starting at ``latest`` is ``"latest"`` there, resolved by the first batch's end, so that
+the first offset does not depend on when Spark asks for it: it asks again after a
+restart); each trigger's latest offset is the partitions' current high-water marks; a
+micro-batch from ``a`` to ``b`` reads ``a[p] + 1 .. b[p]`` of each partition, split by
+``maxTransactionsPerSplit``. Spark writes the end offsets to the query's checkpoint
 before it reads a batch, so a restarted query replays an unfinished batch with the
 same bounds and goes on from the last committed offset: nothing skipped, nothing
-read twice. ``endingTransactionIds`` does not apply to streams.
+read twice. The selected partitions cannot change between runs of one query (an
+``OptionError`` names ``partitions``). ``endingTransactionIds`` does not apply to
+streams (setting it is an error).
 
 The driver-side client (high-water marks) is opened on first use and closed by
 :meth:`WaltzStreamReader.stop`; it is never pickled to the executors.
@@ -16,8 +20,7 @@ The driver-side client (high-water marks) is opened on first use and closed by
 
 from pyspark.sql.datasource import DataSourceStreamReader
 
-from waltz.spark.planning import (
-    initial_offsets, offset_marks, offsets, plan_splits, selected_partitions, stream_ranges)
+from waltz.spark.planning import initial_offsets, next_offset, plan_splits, selected_partitions, stream_ranges
 from waltz.spark.reading import read_split, reading_client
 
 
@@ -49,8 +52,8 @@ class WaltzStreamReader(DataSourceStreamReader):
     def latestOffset(self, start=None, limit=None):
         """The current high-water marks of the selected partitions (never behind ``start``)."""
         num_partitions, marks = self._marks()
-        previous = offset_marks(start if start else initial_offsets(self.options, num_partitions, marks))
-        return offsets({pid: max(marks[pid], mark) for pid, mark in previous.items()})
+        start = start if start else initial_offsets(self.options, num_partitions, marks)
+        return next_offset(start, selected_partitions(self.options, num_partitions), marks)
 
     def partitions(self, start, end):
         return plan_splits(stream_ranges(start, end), self.options.max_per_split)
