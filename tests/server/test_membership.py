@@ -448,3 +448,139 @@ def test_a_pending_rejoin_retry_does_not_stand_in_for_a_reconcile_retry():
     assert cluster.reads == 2
     membership.stop()
     assert clock.getDelayedCalls() == []
+
+
+class _OneSessionCluster:
+    """A cluster whose ZooKeeper reads the test answers by hand (on a Clock): for the order of events
+    around a session's end, which the real ZooKeeper cannot be made to interleave at will."""
+
+    def __init__(self, assignment):
+        from types import SimpleNamespace
+        from waltz.zk.znodes import ClusterPaths
+        self.zk = SimpleNamespace(session_timeout_ms=30000, session_id=111, connected=True,
+                                  add_state_listener=lambda listener: None, transaction=self._transaction,
+                                  sync=self._sync, exists=self._exists)
+        self.paths = ClusterPaths("/c")
+        self.assignment = assignment
+        self.descriptor_reads = []
+        self.multi_ops = []
+        self.syncs = []
+        self.exists_calls = 0
+
+    def partition_assignment(self):
+        from types import SimpleNamespace
+        from waltz.zk.metadata import Versioned
+        return defer.succeed(Versioned(self.assignment, SimpleNamespace(cversion=self.assignment.cversion,
+                                                                        version=3)))
+
+    def versioned_server_descriptors(self):
+        d = defer.Deferred()
+        self.descriptor_reads.append(d)
+        return d
+
+    def register_server(self, descriptor):
+        return defer.succeed("/c/serverDescriptors/s_0009")
+
+    def _transaction(self):
+        cluster = self
+
+        class Transaction:
+            def delete(self, path):
+                return self
+
+            def create(self, *args, **kwargs):
+                return self
+
+            def commit(self):
+                d = defer.Deferred()
+                cluster.multi_ops.append(d)
+                return d
+        return Transaction()
+
+    def _sync(self, path):
+        d = defer.Deferred()
+        self.syncs.append(d)
+        return d
+
+    def _exists(self, path):
+        self.exists_calls += 1
+        return defer.succeed(True)     # a follower cut off from the leader still answers reads
+
+
+def _member_of(cluster, clock, reports):
+    membership = ServerMembership(cluster, "h", 1, reports.append, reactor=clock)
+    membership.server_id, membership.num_partitions, membership.znode = 1, 2, "/c/serverDescriptors/s_0001"
+    membership.state = MembershipState.MEMBER
+    membership.partitions = {0: 5, 1: 5}
+    return membership
+
+
+def _descriptors(session, preferred=()):
+    from types import SimpleNamespace
+    from waltz.zk.metadata import Versioned
+    from waltz.zk.znodes import ServerDescriptor
+    return (("s_0001", Versioned(ServerDescriptor(1, "h", 1, tuple(preferred)),
+                                 SimpleNamespace(ephemeralOwner=session))),)
+
+
+def _assignment():
+    from waltz.zk.znodes import PartitionAssignment
+    return PartitionAssignment(7, 2, {1: [(0, 5), (1, 5)]})
+
+
+def test_a_reconcile_pass_read_before_an_expiry_does_not_act_after_it():
+    # The pass read the assignment in session 111; the descriptors' answer came after the session expired
+    # and the server registered again in session 222: the old assignment used to be adopted again.
+    from waltz.zk.bridge import SessionState
+    clock, reports = Clock(), []
+    cluster = _OneSessionCluster(_assignment())
+    membership = _member_of(cluster, clock, reports)
+    membership.request_reconcile()
+    membership._session_changed(SessionState.EXPIRED)
+    cluster.zk.session_id = 222
+    membership._session_changed(SessionState.CONNECTED)
+    assert membership.state is MembershipState.MEMBER and reports == [{}]
+    cluster.descriptor_reads[0].callback(_descriptors(111))
+    assert reports == [{}]
+    assert len(cluster.descriptor_reads) == 2        # a pass of the new session reads again
+
+
+def test_a_reconcile_pass_waiting_for_the_registration_does_not_act_after_an_expiry():
+    # A preferred-partitions change holds the registration lock; the pass waits for it to check the
+    # registration; the session expires meanwhile and the change fails: the pass used to adopt what it
+    # had read, reopening the partitions just given up.
+    from kazoo.exceptions import SessionExpiredError
+    from waltz.zk.bridge import SessionState
+    clock, reports = Clock(), []
+    cluster = _OneSessionCluster(_assignment())
+    membership = _member_of(cluster, clock, reports)
+    change = membership.set_preferred_partitions([0])
+    membership.request_reconcile()
+    cluster.descriptor_reads[0].callback(_descriptors(111))     # not the new content: waits for the lock
+    membership._session_changed(SessionState.EXPIRED)
+    assert reports == [{}] and membership.state is MembershipState.REJOINING
+    cluster.multi_ops[0].errback(SessionExpiredError())
+    change.addErrback(lambda failure: None)
+    assert reports == [{}]
+
+
+def test_a_zookeeper_client_lost_for_good_gives_the_partitions_up():
+    from waltz.zk.bridge import SessionState
+    clock, reports = Clock(), []
+    membership = _member_of(_OneSessionCluster(_assignment()), clock, reports)
+    membership._session_changed(SessionState.SUSPENDED)
+    membership._session_changed(SessionState.LOST)
+    assert reports == [{}] and membership.partitions == {}
+
+
+def test_contact_is_counted_from_syncs_with_the_leader_not_from_reads():
+    clock, reports = Clock(), []
+    cluster = _OneSessionCluster(_assignment())
+    membership = _member_of(cluster, clock, reports)
+    clock.advance(10)
+    membership._probe()
+    assert cluster.exists_calls == 0 and len(cluster.syncs) == 1
+    assert membership._last_contact is None          # no answer from the leader yet
+    clock.advance(3)
+    cluster.syncs[0].callback("/c")
+    assert membership._last_contact == 10            # when the sync was sent

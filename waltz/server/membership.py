@@ -34,9 +34,10 @@ coordinator hands them to the other servers at new generations. So
   session T (the session timeout) after it last heard from it, and kazoo notices
   a silent loss (no reset: packets dropped) only when a heartbeat goes
   unanswered, up to 2/3 T after the last reply. So the server counts from its
-  *last confirmed contact*: it probes ZooKeeper every T/6 (``exists`` of the
-  root) and remembers when the last answered probe was sent (ZooKeeper heard
-  from it then at the latest). Disconnected, it gives its partitions up 0.8 T
+  *last confirmed contact*: it probes ZooKeeper every T/6 (a ``sync`` of the
+  root, which goes through the leader: the one that expires sessions) and
+  remembers when the last answered probe was sent (the leader heard from the
+  session about then at the latest). Disconnected, it gives its partitions up 0.8 T
   after that (``give_up_after``): before ZooKeeper can expire the session and
   the coordinator move them, without waiting to hear of the expiry (the
   reconnect may hang for a long time). A blip shorter than that (a ZooKeeper
@@ -45,7 +46,12 @@ coordinator hands them to the other servers at new generations. So
 * after every reconnect it reconciles again: kazoo does not re-register watches
   on a new connection (no ``SetWatches``), and changes made while it was away are
   otherwise seen only if its watch recipes notice them. A pass that fails is
-  retried until one succeeds.
+  retried until one succeeds; a pass acts only if the server is still a member in
+  the session it read in;
+* if kazoo gives up for good (``LOST`` without a stop of ours: its connection
+  thread died, or authentication failed) the server gives its partitions up at
+  once and serves nothing until it is restarted (``/health`` reports ZooKeeper
+  lost).
 
 States (:class:`MembershipState`), changed only through ``_enter``:
 ``NEW -> JOINING -> MEMBER``, ``MEMBER -> REJOINING -> MEMBER`` after an
@@ -264,7 +270,13 @@ class ServerMembership:
         self._cancel_disconnected_call()
         if state == SessionState.CONNECTED:
             self._contact(self.reactor.seconds())
-        if state == SessionState.EXPIRED:
+        if state == SessionState.LOST:
+            # Not our own stop (it stops listening first): kazoo gave up for good (its connection thread
+            # died, or authentication failed). Nothing will say when the session expires: stop now.
+            self.log.error("server {id}: the ZooKeeper client stopped for good; this server serves no "
+                           "partition until it is restarted", id=self.server_id)
+            self._give_up_partitions("the ZooKeeper client stopped")
+        elif state == SessionState.EXPIRED:
             self.znode = None
             self._enter(MembershipState.REJOINING)
             self._give_up_partitions("the ZooKeeper session expired")
@@ -288,12 +300,15 @@ class ServerMembership:
                                  "partitions moved" % (self.reactor.seconds() - self._last_contact))
 
     def _probe(self):
-        """Ask ZooKeeper something cheap; an answer proves it heard from this session when it was sent."""
+        """Sync with the ZooKeeper leader; an answer proves the leader, which expires sessions, heard from
+        this session around the time it was sent. (A read would not: a follower cut off from the leader
+        answers reads, and pings, until it notices, up to ``syncLimit`` ticks later, while the leader lets
+        the session expire.)"""
         if self._probing or not self.cluster.zk.connected:
             return
         self._probing = True
         sent = self.reactor.seconds()
-        d = self.cluster.zk.exists(self.cluster.paths.root)
+        d = self.cluster.zk.sync(self.cluster.paths.root)
         d.addCallbacks(lambda _: self._contact(sent), lambda _: None)   # no answer: no contact, nothing else
         d.addBoth(self._probed)
 
@@ -393,21 +408,34 @@ class ServerMembership:
         versioned = yield self.cluster.partition_assignment()
         current, stat = versioned.value, versioned.stat
         descriptors = yield self.cluster.versioned_server_descriptors()
-        if self.state is not MembershipState.MEMBER:
-            return      # stopped, or the session expired, while reading: act on nothing read
+        if not self._still_in(session):
+            return      # stopped, or the session changed, while reading: act on nothing read
         self.members = {}
         for _, descriptor in descriptors:
             self.members.setdefault(descriptor.value.server_id, descriptor.value)
-        if registrations == self._registrations and session == self.cluster.zk.session_id:
+        if registrations == self._registrations:
             repaired = yield self._check_registration(descriptors, session, registrations)
             if repaired:
                 self._reconcile_again = True   # the descriptors changed: read them again
                 return
+            if not self._still_in(session):
+                return  # the session expired (or the server stopped) while the registration was checked
         if current.cversion == stat.cversion:
             self._adopt(current)
         elif self.is_coordinator:
             yield self._rewrite(current, stat)
         self.reconciles += 1
+
+    def _still_in(self, session):
+        """Whether the server is still a member in ZooKeeper session ``session``: what a reconcile pass
+        read in that session may be acted on. When not, a pass of the current session follows (the
+        session's CONNECTED, a rejoin, or a watch event asks for one)."""
+        if self.state is not MembershipState.MEMBER:
+            return False
+        if self.cluster.zk.session_id != session:
+            self._reconcile_again = True
+            return False
+        return True
 
     def _check_registration(self, descriptors, session, registrations):
         """Repair this server's registration unless exactly one descriptor of it exists in ``session``,
