@@ -160,6 +160,21 @@ async def test_connect_to_nothing_fails_with_a_clear_error():
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_close_while_connecting_ends_the_connect_at_once():
+    # A command line giving up closes clients whose connect still waits: the close used to fail
+    # ("Cannot close connection until it is stopped") or wait for the whole connect timeout.
+    from twisted.internet import task
+    client = ZooKeeperClient("127.0.0.1:%d" % free_port(), connect_timeout_ms=20000)
+    connecting = client.connect()
+    await task.deferLater(reactor, 0.3, lambda: None)
+    started = reactor.seconds()
+    await client.close()
+    with pytest.raises(ZooKeeperConnectError, match="closed while connecting"):
+        await connecting
+    assert reactor.seconds() - started < 5
+
+
+@pytest_twisted.ensureDeferred
 async def test_session_events_reach_listeners_on_the_reactor_thread(zookeeper, cluster_root):
     states = Recorder()
     client = zk_client_for(zookeeper)

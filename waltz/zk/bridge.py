@@ -25,6 +25,9 @@ changed; code that must not miss a change made while it was disconnected also
 reads again itself on ``CONNECTED`` (membership, discovery).
 """
 
+import threading
+import time
+
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import RolledBackError
 from kazoo.handlers.threading import KazooTimeoutError
@@ -121,6 +124,10 @@ class ZooKeeperClient:
             command_retry=None)
         self._listeners = []
         self._kazoo.add_listener(self._on_kazoo_state)
+        # A close may come while a connect still waits in another thread (a command line giving up):
+        # kazoo's stop and close must then not race with the connect's own clean-up.
+        self._closing = threading.Event()
+        self._stop_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config, reactor=None):
@@ -156,16 +163,34 @@ class ZooKeeperClient:
                 "cannot connect to ZooKeeper at %s within %d ms; is it running?"
                 % (self.connect_string, self.connect_timeout_ms))
 
-        d = self._blocking(self._kazoo.start, timeout)
+        d = self._blocking(self._start, timeout)
         d.addCallbacks(lambda _: self, failed)
         return d
 
+    def _start(self, timeout):
+        """Kazoo's ``start``, except that a :meth:`close` meanwhile ends the wait at once."""
+        connected = self._kazoo.start_async()
+        deadline = time.monotonic() + timeout
+        while not connected.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            if self._closing.is_set() or time.monotonic() >= deadline:
+                break
+        if not self._kazoo.connected:
+            self._stop_and_close()
+            if self._closing.is_set():
+                raise ZooKeeperConnectError("the ZooKeeper client was closed while connecting to %s"
+                                            % self.connect_string)
+            raise KazooTimeoutError("Connection time-out")
+
     def close(self):
-        """End the session (its ephemeral znodes go) and free kazoo's threads and sockets."""
-        def stop_and_close():
+        """End the session (its ephemeral znodes go) and free kazoo's threads and sockets; a connect
+        still waiting ends (failing with :class:`ZooKeeperConnectError`)."""
+        self._closing.set()
+        return self._blocking(self._stop_and_close)
+
+    def _stop_and_close(self):
+        with self._stop_lock:
             self._kazoo.stop()
             self._kazoo.close()
-        return self._blocking(stop_and_close)
 
     def add_state_listener(self, listener):
         """Call ``listener(state)`` on the reactor thread at each :class:`SessionState` change."""
