@@ -69,6 +69,27 @@ def non_negative_int(value):
     return number
 
 
+#: The longest duration a millisecond key accepts: a day. Anything longer is a mistake (and past about
+#: 10**13 ms the reactor's timers overflow).
+MAX_MILLISECONDS = 86_400_000
+
+
+def milliseconds(value):
+    """A duration in milliseconds, 1 to :data:`MAX_MILLISECONDS`."""
+    number = _parse_int(value)
+    if not 1 <= number <= MAX_MILLISECONDS:
+        raise ValueError("expected milliseconds from 1 to %d (a day), got %d" % (MAX_MILLISECONDS, number))
+    return number
+
+
+def non_negative_milliseconds(value):
+    """A duration in milliseconds, 0 to :data:`MAX_MILLISECONDS`."""
+    number = _parse_int(value)
+    if not 0 <= number <= MAX_MILLISECONDS:
+        raise ValueError("expected milliseconds from 0 to %d (a day), got %d" % (MAX_MILLISECONDS, number))
+    return number
+
+
 def bind_address(value):
     """An IP address literal to bind ports to (``0.0.0.0`` every IPv4 interface, ``::`` every one)."""
     text = _parse_str(value).strip()
@@ -112,10 +133,14 @@ def znode_path(value):
 
 
 def directory(value):
+    """A directory path (made absolute); one that exists must be a directory (it is created otherwise)."""
     text = _parse_str(value)
     if not text:
         raise ValueError("expected a directory path")
-    return os.path.abspath(os.path.expanduser(text))
+    path = os.path.abspath(os.path.expanduser(text))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError("%s exists and is not a directory" % path)
+    return path
 
 
 TYPES = {int: _parse_int, bool: _parse_bool, str: _parse_str}
@@ -174,17 +199,47 @@ def flatten(mapping, prefix=""):
     return flat
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, mark):
+        super().__init__("config key '%s' is given twice" % key)
+        self.key, self.problem_mark = key, mark
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """The safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise _DuplicateKey(key, key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(exc):
+    """One line saying what is wrong with a YAML document and where."""
+    mark = getattr(exc, "problem_mark", None)
+    where = " at line %d, column %d" % (mark.line + 1, mark.column + 1) if mark is not None else ""
+    problem = str(exc) if isinstance(exc, _DuplicateKey) else getattr(exc, "problem", None) or str(exc)
+    return "%s%s" % (" ".join(str(problem).split()), where)
+
+
 def read_yaml(path):
-    """Read a YAML mapping from ``path``; errors name the file."""
+    """Read a YAML mapping from ``path``; errors name the file (and for bad YAML, the line and column)."""
     try:
         with open(path, encoding="utf-8") as stream:
-            data = yaml.safe_load(stream)
+            data = yaml.load(stream, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
     except OSError as exc:
         raise ConfigError("cannot read config file %s: %s" % (path, exc.strerror)) from None
     except UnicodeError as exc:
         raise ConfigError("config file %s is not UTF-8 text: %s" % (path, exc)) from None
+    except _DuplicateKey as exc:
+        raise ConfigError("config file %s: %s" % (path, _yaml_problem(exc)), str(exc.key)) from None
     except yaml.YAMLError as exc:
-        raise ConfigError("config file %s is not valid YAML: %s" % (path, exc)) from None
+        raise ConfigError("config file %s is not valid YAML: %s" % (path, _yaml_problem(exc))) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -237,7 +292,7 @@ def check_distinct_ports(config, names):
 # Keys every component that talks to ZooKeeper accepts.
 ZOOKEEPER_KEYS = (
     Key("zookeeper.connectString", connect_string, doc="ZooKeeper host:port list, e.g. 127.0.0.1:2181"),
-    Key("zookeeper.sessionTimeout", positive_int, 30000, "ZooKeeper session timeout in ms"),
-    Key("zookeeper.connectTimeout", positive_int, 10000, "ZooKeeper connect timeout in ms"),
+    Key("zookeeper.sessionTimeout", milliseconds, 30000, "ZooKeeper session timeout in ms"),
+    Key("zookeeper.connectTimeout", milliseconds, 10000, "ZooKeeper connect timeout in ms"),
     Key("cluster.root", znode_path, doc="the cluster's root znode, e.g. /waltz_cluster"),
 )

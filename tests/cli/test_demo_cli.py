@@ -42,5 +42,5 @@ def test_the_demo_moves_money_through_faults_and_proves_nothing_was_lost(dev_clu
 
 def test_demo_option_errors_are_one_line():
     assert "argument --instances: expected a positive integer, got '0'" in refused("demo", "--instances", "0", code=2)
-    assert "argument --duration: expected a positive number of seconds, got '0'" in refused(
+    assert "argument --duration: expected a positive number of seconds up to 31622400, got '0'" in refused(
         "demo", "--duration", "0", code=2)

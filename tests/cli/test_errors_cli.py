@@ -8,14 +8,15 @@ import pytest
 
 from tests.cli.helpers import refused
 from waltz.cli import disk, main
-from waltz.cli.common import CliError, port, positive_int, positive_seconds
+from waltz.cli.common import CliError, milliseconds, port, positive_int, positive_seconds
 from waltz.local.daemons import DaemonError
 from waltz.local.zookeeper import ZooKeeperLaunchError
 from waltz.zk.errors import ClusterNotFoundError, ZooKeeperConnectError
 
 
 @pytest.mark.parametrize("parse, good, bad", [
-    (positive_seconds, [("0.5", 0.5), ("30", 30.0)], ["0", "-1", "nan", "inf", "soon"]),
+    (positive_seconds, [("0.5", 0.5), ("30", 30.0)], ["0", "-1", "nan", "inf", "soon", "1e12"]),
+    (milliseconds, [("1", 1), ("86400000", 86400000)], ["0", "-1", "86400001", "99999999999999", "1.5"]),
     (positive_int, [("1", 1), ("70000", 70000)], ["0", "-3", "1.5", "many"]),
     (port, [("1", 1), ("65535", 65535)], ["0", "65536", "70000", "-1", "http"]),
 ])
@@ -37,12 +38,15 @@ def test_option_types(parse, good, bad):
     (["client", "high-water-mark", "--timeout", "-5"], "argument --timeout: expected a positive number of seconds"),
     (["perf", "producers", "--lock-range", "0"], "argument --lock-range: expected a positive integer, got '0'"),
     (["perf", "producers", "--timeout", "0"], "argument --timeout: expected a positive number of seconds"),
+    (["perf", "producers", "--size", "20000000"], "argument --size: expected at most 15728640 bytes (15 MiB"),
     (["perf", "consumers", "--timeout", "-1"], "argument --timeout: expected a positive number of seconds"),
     (["cluster", "verify", "--timeout", "-1"], "argument --timeout: expected a positive number of seconds"),
     (["cluster", "assign", "-s", "a:1", "-p", "0", "--lock-timeout", "0"],
      "argument --lock-timeout: expected a positive number of seconds"),
     (["cluster", "add-storage", "-s", "a:1", "-a", "70000", "-g", "0"], "argument --admin-port/-a: expected a port"),
-    (["cluster", "show", "--connect-timeout", "-1"], "argument --connect-timeout: expected a positive integer"),
+    (["cluster", "show", "--connect-timeout", "-1"], "argument --connect-timeout: expected milliseconds from 1"),
+    (["cluster", "show", "--connect-timeout", "99999999999999"],
+     "argument --connect-timeout: expected milliseconds from 1 to 86400000 (a day)"),
     (["server", "list", "--timeout", "0"], "argument --timeout: expected a positive number of seconds"),
     (["storage", "list", "--timeout", "0"], "argument --timeout: expected a positive number of seconds"),
     (["demo", "--duration", "0"], "argument --duration: expected a positive number of seconds"),

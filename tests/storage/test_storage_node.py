@@ -101,6 +101,16 @@ async def test_open_with_wrong_key_or_partition_count_names_both_values(harness)
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_directory_that_cannot_be_made_is_reported_naming_the_config_key(tmp_path):
+    from waltz.config import ConfigError
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    node = StorageNode(str(blocker / "data"), reactor)      # its parent is a file
+    with pytest.raises(ConfigError, match="config key 'storage.directory': cannot use .*file/data: "):
+        await node.open(KEY, PARTITIONS)
+
+
+@pytest_twisted.ensureDeferred
 async def test_append_read_truncate_and_session_info_round_trip(harness):
     await assign(harness, 0)
     s = await harness.connect()

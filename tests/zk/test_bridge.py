@@ -160,6 +160,16 @@ async def test_connect_to_nothing_fails_with_a_clear_error():
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_missing_chroot_is_named_at_connect(zookeeper):
+    # Every request used to fail with a bare "NoNodeError".
+    client = ZooKeeperClient(zookeeper.connect_string + "/no_such_chroot", connect_timeout_ms=5000)
+    with pytest.raises(ZooKeeperConnectError, match="the chroot /no_such_chroot of the ZooKeeper connect string "
+                                                    ".* does not exist"):
+        await client.connect()
+    await client.close()
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_close_while_connecting_ends_the_connect_at_once():
     # A command line giving up closes clients whose connect still waits: the close used to fail
     # ("Cannot close connection until it is stopped") or wait for the whole connect timeout.

@@ -19,8 +19,8 @@ from twisted.internet import defer, task
 from twisted.logger import globalLogBeginner, textFileLogObserver
 from twisted.python.failure import Failure
 
-from waltz.cli.common import (CliError, debugging, non_negative_int, parse_partition_list, port, positive_int,
-                              positive_seconds)
+from waltz.cli.common import (CliError, debugging, milliseconds, non_negative_int, parse_partition_list, port,
+                              positive_int, positive_seconds)
 from waltz.config import ZOOKEEPER_KEYS, build_config, flatten, read_yaml
 from waltz.zk.bridge import ZooKeeperClient
 from waltz.zk.metadata import ClusterMetadata
@@ -47,7 +47,7 @@ def add_connection_options(parser):
                        help="YAML file with zookeeper.connectString and cluster.root")
     group.add_argument("--zookeeper", metavar="HOST:PORT[,...]", help="ZooKeeper connect string")
     group.add_argument("--root", metavar="/PATH", help="the cluster's root znode, e.g. /waltz_cluster")
-    group.add_argument("--connect-timeout", metavar="MS", type=positive_int,
+    group.add_argument("--connect-timeout", metavar="MS", type=milliseconds,
                        help="give up connecting to ZooKeeper after MS milliseconds (default 10000)")
 
 

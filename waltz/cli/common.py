@@ -43,16 +43,23 @@ positive_int = argument_type(config.positive_int, "a positive integer")
 non_negative_int = argument_type(config.non_negative_int, "a non-negative integer")
 #: An argparse type: a TCP port number.
 port = argument_type(config.port, "a port number 1-65535")
+#: An argparse type: milliseconds, 1 to a day (as the config files' millisecond keys).
+milliseconds = argument_type(config.milliseconds, "milliseconds from 1 to %d (a day)" % config.MAX_MILLISECONDS)
+
+#: The longest duration a seconds option accepts (a year; far larger values overflow the reactor's timers).
+MAX_SECONDS = 366 * 86400
 
 
 def positive_seconds(text):
-    """An argparse type: a positive, finite number of seconds (timeouts, intervals, durations)."""
+    """An argparse type: a positive, finite number of seconds (timeouts, intervals, durations), at most
+    :data:`MAX_SECONDS`."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError("expected a positive number of seconds, got %r" % text)
+    if not (0 < value <= MAX_SECONDS):
+        raise argparse.ArgumentTypeError("expected a positive number of seconds up to %d, got %r"
+                                         % (MAX_SECONDS, text))
     return value
 
 

@@ -7,6 +7,7 @@ with every transaction's data, and prints transactions/s and MB/s. Both show the
 terminal, and give up after ``--timeout`` seconds.
 """
 
+import argparse
 import random
 import sys
 import time
@@ -18,6 +19,7 @@ from waltz.cli.cluster import add_connection_options, connection_config, quiet_k
 from waltz.cli.common import CliError, non_negative_int, positive_int, positive_seconds
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks
 from waltz.gc_tuning import tune_garbage_collector
+from waltz.protocols.framing import MAX_TRANSACTION_DATA_SIZE
 
 
 class _Follower(WaltzClientCallbacks):
@@ -96,6 +98,15 @@ class _Progress:
             print(file=sys.stderr, flush=True)
 
 
+def transaction_size(text):
+    """An argparse type: transaction data bytes, 0 to the 15 MiB every transaction is limited to."""
+    size = non_negative_int(text)
+    if size > MAX_TRANSACTION_DATA_SIZE:
+        raise argparse.ArgumentTypeError("expected at most %d bytes (15 MiB, the limit of a transaction's data), "
+                                         "got %r" % (MAX_TRANSACTION_DATA_SIZE, text))
+    return size
+
+
 def producers(args):
     config = connection_config(args)
     quiet_kazoo()
@@ -125,6 +136,8 @@ def producers(args):
                     if result.committed:
                         outcome["committed"] += 1
                         latencies.append(time.monotonic() - started)
+                    else:
+                        outcome.setdefault("first failure", result.error or result.outcome.value)
 
             yield all_of([worker(c) for c in clients for _ in range(args.inflight)])
             return time.monotonic() - began
@@ -147,6 +160,9 @@ def producers(args):
     print("producers: %d committed in %.1f s: %.0f transactions/s, %.2f MB/s; latency p50 %.1f ms, p99 %.1f ms, "
           "max %.1f ms" % (committed, seconds, committed / seconds, committed * args.size / seconds / 1e6,
                            pct(0.5), pct(0.99), pct(1.0)))
+    if "first failure" in outcome:
+        print("producers: %d of %d transactions did not commit; the first: %s"
+              % (args.transactions - committed, args.transactions, outcome["first failure"]), file=sys.stderr)
     return 0 if committed == args.transactions else 1
 
 
@@ -193,7 +209,8 @@ def register(subparsers):
     sub = commands.add_parser("producers", help="append transactions and measure throughput and latency")
     add_connection_options(sub)
     sub.add_argument("--transactions", type=positive_int, default=10_000)
-    sub.add_argument("--size", type=non_negative_int, default=100, help="bytes per transaction (default 100)")
+    sub.add_argument("--size", type=transaction_size, default=100,
+                     help="bytes per transaction (default 100, at most 15 MiB)")
     sub.add_argument("--clients", type=positive_int, default=2)
     sub.add_argument("--inflight", type=positive_int, default=50,
                      help="outstanding transactions per client (default 50)")

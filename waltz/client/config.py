@@ -13,7 +13,8 @@ from collections.abc import Mapping
 import attr
 
 from waltz.config import (
-    ZOOKEEPER_KEYS, Config, ConfigError, Key, build_config, load_config, non_negative_int, positive_int)
+    ZOOKEEPER_KEYS, Config, ConfigError, Key, build_config, load_config, milliseconds, non_negative_int,
+    non_negative_milliseconds, positive_int)
 
 #: The ``client.*`` keys (the zookeeper and cluster keys come from :data:`waltz.config.ZOOKEEPER_KEYS`).
 CLIENT_ONLY_KEYS = (
@@ -21,22 +22,22 @@ CLIENT_ONLY_KEYS = (
         "mount every partition at start-up (false: mount only those given to set_partitions)"),
     Key("client.maxConcurrentTransactions", positive_int, 5,
         "appends outstanding per partition; further executes wait"),
-    Key("client.longWaitThreshold", positive_int, 5000,
+    Key("client.longWaitThreshold", milliseconds, 5000,
         "ms without progress on a partition's pending appends before a FLUSH is sent"),
-    Key("client.transactionExpiration", non_negative_int, 60000,
+    Key("client.transactionExpiration", non_negative_milliseconds, 60000,
         "ms after its creation a transaction context stops being retried (0: never)"),
     Key("client.maxDataFetchRetries", non_negative_int, 5,
         "re-fetches of transaction data whose checksum does not match, or that the server could not read "
         "right now (after a delay doubling from client.mountRetryInterval)"),
-    Key("client.mountRetryInterval", positive_int, 500,
+    Key("client.mountRetryInterval", milliseconds, 500,
         "ms to wait before mounting again after a NOT_READY mount response"),
-    Key("client.reconnectInitialInterval", non_negative_int, 100,
+    Key("client.reconnectInitialInterval", non_negative_milliseconds, 100,
         "ms before the second attempt to reconnect to a server (the first is immediate)"),
-    Key("client.reconnectMaxInterval", positive_int, 5000,
+    Key("client.reconnectMaxInterval", milliseconds, 5000,
         "upper bound in ms of the doubling reconnect back-off"),
-    Key("client.connectTimeout", positive_int, 10000,
+    Key("client.connectTimeout", milliseconds, 10000,
         "ms allowed for a TCP connect to a server, and again for its Hello exchange"),
-    Key("client.applyRetryInterval", positive_int, 100,
+    Key("client.applyRetryInterval", milliseconds, 100,
         "ms before applyTransaction is called again after it failed (doubles up to 10 s)"),
     Key("client.maxDataRequestsInFlight", positive_int, 256,
         "transaction-data requests outstanding per read_transactions call"),

@@ -16,7 +16,7 @@ The keys and defaults are the original's (``WaltzServerConfig``), except:
 """
 
 from waltz.config import (ZOOKEEPER_KEYS, ConfigError, Key, bind_address, check_distinct_ports, frame_size,
-                          load_config, non_negative_int, port, positive_int)
+                          load_config, milliseconds, non_negative_int, port, positive_int)
 from waltz.server.caches import HEADER_BYTES, FeedCache
 
 MIB = 1024 * 1024
@@ -86,9 +86,9 @@ SERVER_KEYS = ZOOKEEPER_KEYS + (
     Key("server.realtimeThreshold", positive_int, 1000, "feeds closer than this to the end are realtime"),
     Key("server.maxFrameSize", frame_size, 64 * MIB, "largest accepted client frame in bytes (at least 16 MiB)"),
     Key("storage.maxBatchSize", positive_int, 100, "appends per replicated batch"),
-    Key("storage.initialRetryInterval", positive_int, 100, "first storage reconnect delay, ms"),
-    Key("storage.maxRetryInterval", positive_int, 20000, "longest storage reconnect delay, ms"),
-    Key("storage.requestTimeout", positive_int, 30000,
+    Key("storage.initialRetryInterval", milliseconds, 100, "first storage reconnect delay, ms"),
+    Key("storage.maxRetryInterval", milliseconds, 20000, "longest storage reconnect delay, ms"),
+    Key("storage.requestTimeout", milliseconds, 30000,
         "ms a storage request may stay unanswered before its connection is closed and reopened"),
     Key("storage.checkpointInterval", positive_int, 250000,
         "transactions after which a store session is closed and a new one recovered"),

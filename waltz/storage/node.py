@@ -17,6 +17,7 @@ from waltz.storage.errors import ControlFileMismatch, StorageError, UnknownParti
 from waltz.storage.partition import PartitionRefused, StoragePartition
 from waltz.storage.partition_log import PartitionLog, delete_partition_directory, remove_deleted_directories
 from waltz.storage.worker import PartitionWorker
+from waltz.config import ConfigError
 from waltz.metrics import SIZE_BUCKETS, Registry
 
 
@@ -94,8 +95,12 @@ class StorageNode:
     @defer.inlineCallbacks
     def open(self, cluster_key, num_partitions):
         """Open (or format) the directory for this cluster and open every assigned partition."""
-        control = yield threads.deferToThread(ControlFile.open_or_create, self.directory, cluster_key,
-                                              num_partitions)
+        try:
+            control = yield threads.deferToThread(ControlFile.open_or_create, self.directory, cluster_key,
+                                                  num_partitions)
+        except OSError as exc:
+            raise ConfigError("config key 'storage.directory': cannot use %s: %s"
+                              % (self.directory, exc.strerror or exc), "storage.directory") from None
         self.control = SharedControlFile(control)
         removed = yield threads.deferToThread(remove_deleted_directories, self.directory)
         if removed:

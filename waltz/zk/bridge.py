@@ -180,6 +180,12 @@ class ZooKeeperClient:
                 raise ZooKeeperConnectError("the ZooKeeper client was closed while connecting to %s"
                                             % self.connect_string)
             raise KazooTimeoutError("Connection time-out")
+        chroot = self._kazoo.chroot
+        if chroot and not self._kazoo.exists("/"):
+            # Every request would fail with a bare NoNodeError.
+            self._stop_and_close()
+            raise ZooKeeperConnectError("the chroot %s of the ZooKeeper connect string %s does not exist; "
+                                        "create it first" % (chroot, self.connect_string))
 
     def close(self):
         """End the session (its ephemeral znodes go) and free kazoo's threads and sockets; a connect

@@ -1,0 +1,54 @@
+"""Loading YAML config files: every problem is one line naming the file, and the key or the place."""
+
+import pytest
+
+from waltz.client.config import client_config
+from waltz.config import ZOOKEEPER_KEYS, ConfigError, load_config, read_yaml
+
+
+def written(tmp_path, text):
+    path = tmp_path / "config.yaml"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_a_key_given_twice_in_one_mapping_is_refused_naming_key_and_line(tmp_path):
+    # PyYAML keeps the last of two equal keys: the first one's value was silently dropped.
+    path = written(tmp_path, "storage.port: 1\nstorage.port: 2\n")
+    with pytest.raises(ConfigError, match=r"config key 'storage.port' is given twice at line 2, column 1") as raised:
+        read_yaml(path)
+    assert raised.value.key == "storage.port"
+    with pytest.raises(ConfigError, match=r"'port' is given twice at line 3, column 3"):
+        read_yaml(written(tmp_path, "storage:\n  port: 1\n  port: 2\n"))
+
+
+def test_bad_yaml_is_reported_in_one_line_with_its_place(tmp_path):
+    with pytest.raises(ConfigError) as raised:
+        read_yaml(written(tmp_path, "a: [1, 2\nb: 3\n"))
+    message = str(raised.value)
+    assert "\n" not in message and "is not valid YAML" in message and "at line 2, column 2" in message
+
+
+@pytest.mark.parametrize("key", ["zookeeper.sessionTimeout", "zookeeper.connectTimeout"])
+def test_millisecond_keys_have_an_upper_bound(tmp_path, key):
+    # 10**14 ms passed the checks, then overflowed the reactor's timers at start-up with a misleading error.
+    path = written(tmp_path, "zookeeper.connectString: 127.0.0.1:2181\ncluster.root: /x\n%s: 99999999999999\n" % key)
+    with pytest.raises(ConfigError, match="config key '%s': expected milliseconds from 1 to 86400000" % key):
+        load_config(path, ZOOKEEPER_KEYS)
+
+
+@pytest.mark.parametrize("key, value", [("client.connectTimeout", 86400001), ("client.transactionExpiration", -1),
+                                        ("client.reconnectMaxInterval", 10 ** 15)])
+def test_client_millisecond_keys_have_bounds(key, value):
+    with pytest.raises(ConfigError, match="config key '%s': expected milliseconds" % key):
+        client_config({"zookeeper.connectString": "127.0.0.1:2181", "cluster.root": "/x", key: value})
+
+
+def test_a_storage_directory_that_is_a_file_is_refused_at_config_time(tmp_path):
+    from waltz.storage.config import STORAGE_KEYS
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    path = written(tmp_path, "zookeeper.connectString: 127.0.0.1:2181\ncluster.root: /x\nstorage.directory: %s\n"
+                   % afile)
+    with pytest.raises(ConfigError, match="config key 'storage.directory': .*afile exists and is not a directory"):
+        load_config(path, STORAGE_KEYS)
