@@ -1,5 +1,6 @@
 """``waltz cluster`` run as a subprocess against the real ZooKeeper: output, refusals, exit codes."""
 
+import os
 import time
 
 import pytest
@@ -137,6 +138,17 @@ def test_unreachable_zookeeper_fails_fast_in_one_line():
                    "--connect-timeout", "300")
     assert "cannot connect to ZooKeeper at 127.0.0.1:" in line and "within 300 ms" in line
     assert time.monotonic() - started < 5
+
+
+def test_a_config_file_with_a_misspelled_key_is_refused_and_daemon_configs_are_accepted(tmp_path):
+    config = tmp_path / "cli.yaml"
+    config.write_text("zookeeper.connectString: 127.0.0.1:1\ncluster.rooot: /x\n")
+    assert "config key 'cluster.rooot' in %s is not a known key" % config in refused("cluster", "show", "-c", str(config))
+    etc = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "etc")
+    for shipped in ("server.yaml", "storage.yaml"):     # their own keys pass; only ZooKeeper is missing
+        assert "cannot connect to ZooKeeper" in refused("cluster", "show", "-c", os.path.join(etc, shipped),
+                                                        "--connect-timeout", "200",
+                                                        "--zookeeper", "127.0.0.1:%d" % free_port())
 
 
 @pytest.mark.parametrize("args, message", [

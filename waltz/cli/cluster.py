@@ -21,14 +21,22 @@ from twisted.python.failure import Failure
 
 from waltz.cli.common import (CliError, debugging, milliseconds, non_negative_int, parse_partition_list, port,
                               positive_int, positive_seconds)
-from waltz.config import ZOOKEEPER_KEYS, build_config, flatten, read_yaml
+from waltz.config import ZOOKEEPER_KEYS, ConfigError, build_config, flatten, read_yaml
 from waltz.zk.bridge import ZooKeeperClient
 from waltz.zk.metadata import ClusterMetadata
 from waltz.zk.topology import format_ids
 from waltz.zk.znodes import UNRESOLVED
 
 #: Keys a ``-c`` file may hold besides the ZooKeeper ones, so a daemon's config file works too.
-OPEN_PREFIXES = ("ssl.", "server.", "storage.", "client.", "cluster.")
+def _daemon_and_client_keys():
+    """The keys a ``-c`` file may hold besides the ZooKeeper ones: it is often a daemon's or a client's
+    config file (any other key, a misspelling such as ``cluster.rooot``, is refused)."""
+    from waltz.client.config import CLIENT_KEYS
+    from waltz.server.config import SERVER_KEYS
+    from waltz.storage.config import STORAGE_KEYS
+    names = {key.name for key in ZOOKEEPER_KEYS}
+    return tuple({key.name: key for key in SERVER_KEYS + STORAGE_KEYS + CLIENT_KEYS
+                  if key.name not in names}.values())
 
 _FLAG_KEYS = (
     ("zookeeper", "zookeeper.connectString"),
@@ -54,11 +62,17 @@ def add_connection_options(parser):
 def connection_config(args):
     """The validated ZooKeeper :class:`~waltz.config.Config` from ``-c`` and the flags."""
     values = flatten(read_yaml(args.config)) if args.config else {}
+    others = {key.name for key in _daemon_and_client_keys()}
+    known = others | {key.name for key in ZOOKEEPER_KEYS}
+    for name in sorted(values):
+        if name not in known:
+            raise ConfigError("config key '%s' in %s is not a known key" % (name, args.config), name)
     values.update({key: getattr(args, flag) for flag, key in _FLAG_KEYS if getattr(args, flag) is not None})
     for flag, key in _FLAG_KEYS[:2]:
         if values.get(key) is None:
             raise CliError("no %s given: use --%s or -c FILE with %s" % (key, flag, key))
-    return build_config(values, ZOOKEEPER_KEYS, open_prefixes=OPEN_PREFIXES)
+    # The daemons' and clients' own keys are checked by name only: they check their values themselves.
+    return build_config({k: v for k, v in values.items() if k not in others}, ZOOKEEPER_KEYS)
 
 
 def run_reactor(function, *args):
