@@ -52,3 +52,11 @@ def test_a_storage_directory_that_is_a_file_is_refused_at_config_time(tmp_path):
                    % afile)
     with pytest.raises(ConfigError, match="config key 'storage.directory': .*afile exists and is not a directory"):
         load_config(path, STORAGE_KEYS)
+
+
+@pytest.mark.parametrize("host", ["a b", "", "host/x"])
+def test_a_server_host_clients_could_not_reach_is_refused(tmp_path, host):
+    from waltz.server.config import SERVER_KEYS
+    path = written(tmp_path, "zookeeper.connectString: 127.0.0.1:2181\ncluster.root: /x\nserver.host: '%s'\n" % host)
+    with pytest.raises(ConfigError, match="config key 'server.host': expected a host name or address"):
+        load_config(path, SERVER_KEYS)

@@ -39,6 +39,7 @@ def test_option_types(parse, good, bad):
     (["perf", "producers", "--lock-range", "0"], "argument --lock-range: expected a positive integer, got '0'"),
     (["perf", "producers", "--timeout", "0"], "argument --timeout: expected a positive number of seconds"),
     (["perf", "producers", "--size", "20000000"], "argument --size: expected at most 15728640 bytes (15 MiB"),
+    (["cluster", "create", "-n", " ", "-p", "2"], "argument --name/-n: expected a name, got ' '"),
     (["perf", "consumers", "--timeout", "-1"], "argument --timeout: expected a positive number of seconds"),
     (["cluster", "verify", "--timeout", "-1"], "argument --timeout: expected a positive number of seconds"),
     (["cluster", "assign", "-s", "a:1", "-p", "0", "--lock-timeout", "0"],
@@ -117,3 +118,16 @@ def test_demo_check_of_a_missing_run_is_one_line(tmp_path):
     assert refused("demo", "--check", str(tmp_path / "run")) == (
         "waltz: error: cannot read the demo run in %s: %s: No such file or directory"
         % (tmp_path / "run", tmp_path / "run" / "instance-1" / "report.json"))
+
+
+def test_too_few_smoke_transactions_is_a_usage_error():
+    assert "argument --transactions: must be at least 2" in refused("smoke", "--transactions", "1", code=2)
+
+
+def test_dev_commands_use_the_run_directorys_zookeeper_port(tmp_path):
+    from waltz.local.devcluster import DEFAULT_ZOOKEEPER_PORT, DevCluster
+    assert DevCluster(str(tmp_path), None).zookeeper.port == DEFAULT_ZOOKEEPER_PORT
+    (tmp_path / "zookeeper").mkdir()
+    (tmp_path / "zookeeper" / "zoo.cfg").write_text("clientPort=47281\n")
+    assert DevCluster(str(tmp_path), None).zookeeper.port == 47281        # 'dev status' after 'dev up --zookeeper-port'
+    assert DevCluster(str(tmp_path), 40000).zookeeper.port == 40000

@@ -66,7 +66,7 @@ def ask_high_water_marks(reactor, config, timeout, partitions=None):
     client = WaltzClient(_Nothing(), client_config(config, **{"client.autoMount": False}), reactor)
     try:
         yield joined(client, timeout, reactor)
-        ids = parse_partition_list(partitions, client.num_partitions) if partitions else None
+        ids = parse_partition_list(partitions, client.num_partitions) if partitions is not None else None
         marks = yield client.high_water_marks(ids, timeout=timeout)
     finally:
         yield client.close()

@@ -12,6 +12,7 @@ The helpers :func:`add_connection_options`, :func:`connection_config`,
 other ``waltz`` subcommands that need the cluster metadata or the reactor.
 """
 
+import argparse
 import logging
 import sys
 
@@ -259,13 +260,20 @@ def _options(*specs, edit=False):
     return add
 
 
+def cluster_name(text):
+    """An argparse type: a cluster name (not empty, not only spaces)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a name, got %r" % text)
+    return text.strip()
+
+
 _STORAGE = (("--storage", "-s"), dict(metavar="HOST:PORT", help="the storage node's connect string"))
 _PARTITIONS = (("--partitions", "-p"), dict(metavar="LIST", help="partition ids, e.g. 0-3,7"))
 _GROUP = (("--group", "-g"), dict(type=non_negative_int, metavar="G", help="storage group id"))
 
 SUBCOMMANDS = (
     ("create", "create the cluster's znodes", _create, _options(
-        (("--name", "-n"), dict(help="the cluster's name")),
+        (("--name", "-n"), dict(type=cluster_name, help="the cluster's name")),
         (("--partitions", "-p"), dict(type=positive_int, metavar="P", help="number of partitions")))),
     ("show", "print the cluster's metadata", _show, _options()),
     ("delete", "delete the cluster's znodes (refused while servers are registered, and always for a root "

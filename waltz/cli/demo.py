@@ -75,8 +75,9 @@ def register(subparsers):
                                    description=__doc__.split("\n\n")[1])
     parser.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="the local cluster's run directory "
                         "(default %(default)s)")
-    parser.add_argument("--zookeeper-port", type=port, default=DEFAULT_ZOOKEEPER_PORT,
-                        help="ZooKeeper client port on 127.0.0.1 (default %(default)s)")
+    parser.add_argument("--zookeeper-port", type=port, default=None,
+                        help="ZooKeeper client port on 127.0.0.1 (default: the run directory's last one, else %d)"
+                        % DEFAULT_ZOOKEEPER_PORT)
     parser.add_argument("--root", default=DEFAULT_ROOT, help="cluster root znode (default %(default)s)")
     parser.add_argument("--instances", type=positive_int, default=3, help="application instances (default 3)")
     parser.add_argument("--accounts", type=positive_int, default=20, help="accounts (default 20)")

@@ -126,8 +126,9 @@ def register(subparsers):
                              (status, "status", "processes, partitions and replicas")):
         sub = commands.add_parser(name, help=text, description=text)
         sub.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="run directory (default %(default)s)")
-        sub.add_argument("--zookeeper-port", type=port, default=DEFAULT_ZOOKEEPER_PORT,
-                         help="ZooKeeper client port on 127.0.0.1 (default %(default)s)")
+        sub.add_argument("--zookeeper-port", type=port, default=None,
+                         help="ZooKeeper client port on 127.0.0.1 (default: the run directory's last one, "
+                              "else %d)" % DEFAULT_ZOOKEEPER_PORT)
         sub.add_argument("--root", default=DEFAULT_ROOT, help="cluster root znode (default %(default)s)")
         sub.add_argument("--partitions", type=positive_int, default=4,
                          help="partitions of a new cluster (default 4)")

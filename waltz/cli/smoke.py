@@ -19,7 +19,7 @@ def smoke(args):
     settings = SmokeSettings(transactions=args.transactions, faults=not args.no_faults, seed=args.seed,
                              fault_interval=args.fault_interval, timeout=args.timeout)
     if settings.transactions < settings.clients:
-        raise CliError("--transactions must be at least %d" % settings.clients)
+        raise CliError("argument --transactions: must be at least %d (one per client)" % settings.clients, exit_code=2)
     quiet_kazoo()
     run_dir = tempfile.mkdtemp(prefix="waltz-smoke-")
     progress = _progress if sys.stdout.isatty() or args.progress else None

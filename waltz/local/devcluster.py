@@ -43,13 +43,20 @@ class DevCluster:
 
     def __init__(self, run_dir=DEFAULT_RUN_DIR, zookeeper_port=DEFAULT_ZOOKEEPER_PORT, root=DEFAULT_ROOT,
                  num_partitions=4, num_storages=3, num_servers=2, name="dev"):
+        """``zookeeper_port`` None: the port of the run directory's ZooKeeper, else the default one."""
         self.run_dir = os.path.abspath(run_dir)
         self.root = root
         self.name = name
         self.num_partitions = num_partitions
         self.num_storages = num_storages
         self.num_servers = num_servers
-        self.zookeeper = LocalZooKeeper(os.path.join(self.run_dir, "zookeeper"), port=zookeeper_port)
+        zookeeper_dir = os.path.join(self.run_dir, "zookeeper")
+        if zookeeper_port is None:      # the port of the run directory's ZooKeeper, if it has one
+            self.zookeeper = LocalZooKeeper.from_run_dir(zookeeper_dir)
+            if self.zookeeper.port is None:
+                self.zookeeper.port = DEFAULT_ZOOKEEPER_PORT
+        else:
+            self.zookeeper = LocalZooKeeper(zookeeper_dir, port=zookeeper_port)
 
     @property
     def connect_string(self):
@@ -126,6 +133,10 @@ class DevCluster:
         except ClusterNotFoundError:
             params = yield metadata.create_cluster(self.name, self.num_partitions)
             report("cluster     created at %s with %d partitions" % (self.root, self.num_partitions))
+        else:
+            if params.num_partitions != self.num_partitions:
+                report("cluster     exists at %s with %d partitions (a cluster's partitions are fixed; %d "
+                       "applies to a new one)" % (self.root, params.num_partitions, self.num_partitions))
         return params
 
     @defer.inlineCallbacks

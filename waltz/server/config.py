@@ -66,9 +66,9 @@ def lock_table_size(value):
 
 
 def host_name(value):
-    """A non-empty host name or address."""
+    """A non-empty host name or address (no spaces, no port: clients join it with ``server.port``)."""
     text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
-    if not text:
+    if not text or any(c.isspace() for c in text) or "/" in text:
         raise ValueError("expected a host name or address")
     return text
 
