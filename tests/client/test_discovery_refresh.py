@@ -51,6 +51,30 @@ async def test_refresh_reads_a_change_the_watches_missed(zookeeper, cluster_meta
 
 
 @pytest_twisted.ensureDeferred
+async def test_refresh_takes_the_assignment_of_a_znode_deleted_and_created_again(
+        zookeeper, cluster_metadata, cluster_root):
+    # The data version of a znode created again starts at 0: every later assignment was taken for an old one.
+    await cluster_metadata.register_server(ServerDescriptor(1, "127.0.0.1", 6001))
+    for generation in (1, 2, 3):
+        await assign(cluster_metadata, {1: [(0, generation), (1, 1), (2, 1), (3, 1)]})
+    discovery = ZooKeeperDiscovery(client_config_for(zookeeper, cluster_root), reactor)
+    try:
+        await discovery.start()
+        assert discovery.locations[0].generation == 3
+        for handle in discovery._handles:   # the deletion happened while the watches could not see it
+            handle.cancel()
+        path = cluster_metadata.paths.server_descriptors
+        await cluster_metadata.zk.delete(path, recursive=True)
+        await cluster_metadata.zk.create(path, PartitionAssignment(0, 4, {}).encode())
+        await cluster_metadata.register_server(ServerDescriptor(2, "127.0.0.1", 6002))
+        await assign(cluster_metadata, {2: [(0, 4), (1, 4), (2, 4), (3, 4)]})
+        await discovery.refresh()
+        assert discovery.locations[0] == PartitionLocation(Endpoint("127.0.0.1", 6002), 4)
+    finally:
+        await discovery.close()
+
+
+@pytest_twisted.ensureDeferred
 async def test_after_a_zookeeper_restart_the_map_follows_changes(private_zookeeper):
     await threads.deferToThread(private_zookeeper.start)
     admin = zk_client_for(private_zookeeper)

@@ -101,7 +101,9 @@ class ZooKeeperDiscovery:
         self._listeners = []
         self._handles = []
         self._assignment = PartitionAssignment()
-        self._assignment_version = None   # the znode data version of _assignment (None: not read yet)
+        #: The zxid of the change that wrote _assignment (None: not read yet). Not the data version: that
+        #: starts again at 0 when the znode is deleted and created again.
+        self._assignment_mzxid = None
         self._descriptors = ()
         self._servers_read = 0
         self._listening = False
@@ -137,20 +139,20 @@ class ZooKeeperDiscovery:
 
     def _assignment_changed(self, data, stat):
         if data is None:
-            self._assignment, self._assignment_version = PartitionAssignment(), None
+            self._assignment, self._assignment_mzxid = PartitionAssignment(), None
             self._publish()
             return
-        self._take_assignment(data, stat.version)
+        self._take_assignment(data, stat.mzxid)
 
-    def _take_assignment(self, data, version):
-        if self._assignment_version is not None and version < self._assignment_version:
+    def _take_assignment(self, data, mzxid):
+        if self._assignment_mzxid is not None and mzxid < self._assignment_mzxid:
             return  # an older read arriving late
         try:
             assignment = PartitionAssignment.decode(data, self._metadata.paths.server_descriptors)
         except ZnodeDecodeError:
             log.failure("ignoring an undecodable partition assignment")
             return
-        self._assignment, self._assignment_version = assignment, version
+        self._assignment, self._assignment_mzxid = assignment, mzxid
         self._publish()
 
     def _session_changed(self, state):
@@ -167,7 +169,7 @@ class ZooKeeperDiscovery:
             return defer.succeed(None)
         self.refreshes += 1
         path = self._metadata.paths.server_descriptors
-        reading = self._zk.get(path).addCallback(lambda result: self._take_assignment(result[0], result[1].version))
+        reading = self._zk.get(path).addCallback(lambda result: self._take_assignment(result[0], result[1].mzxid))
         return defer.gatherResults([reading, self._read_servers()], consumeErrors=True).addCallbacks(
             lambda _: None, lambda f: f.value.subFailure)
 
