@@ -125,6 +125,9 @@ class ReplicaRecovery:
         self.abstains = False
         self.max_transaction_id = None
         self.done = defer.Deferred()
+        #: True once a step before the vote failed (the storage refuses, or the connection dropped): the vote
+        #: is then not counted on as coming (see RecoveryManager._votes_still_coming).
+        self.failed_before_voting = False
         self._raising = False       # a copy raising the vote is running (see raise_vote)
         self._raised = False        # a copy raising the vote ran: max_transaction_id may be stale
         self._raise_waiters = []    # Deferreds fired when the copy raising the vote ends
@@ -293,6 +296,8 @@ class ReplicaRecovery:
     def _step_failed(self, failure):
         if failure.check(RecoveryAborted) or self.manager.stopped:
             return self._abandon(failure)
+        if self.vote is None:
+            self.failed_before_voting = True
         self.log.info("recovery of partition {pid} on {storage} interrupted in {state}: {reason}; will retry",
                       pid=self.manager.partition_id, storage=self.storage, state=self.state.value,
                       reason=failure.getErrorMessage())
@@ -340,6 +345,7 @@ class RecoveryManager:
         self._usher_waiters = []
         self._usher_timer = None
         self._raise_timer = None
+        self._rebinding = set()     # storages of voters waiting for their connection to bind again
 
     # -- states -------------------------------------------------------------------------------
 
@@ -419,6 +425,7 @@ class RecoveryManager:
         self._cancel_raise_timer()
         if self.stopped or self.high_water_mark is not None:
             return
+        self._rebind_voters()
         if not self._votes_still_coming():
             voters = [r for r in self.recoveries.values() if r.vote is not None]
             top = max(r.vote for r in voters)
@@ -435,9 +442,23 @@ class RecoveryManager:
             self._raise_timer = self.reactor.callLater(self.retry_interval, self._raise_lagging_votes)
 
     def _votes_still_coming(self) -> bool:
-        """Whether a connected member of the electorate may still vote (it is still being read)."""
-        return any(r.vote is None and not r.abstains and r.replica.connected and r.storage in self.electorate
-                   for r in self.recoveries.values())
+        """Whether a connected member of the electorate may still vote (it is still being read, and no step
+        of it has failed: a storage that refuses every request stays connected)."""
+        return any(r.vote is None and not r.abstains and not r.failed_before_voting and r.replica.connected
+                   and r.storage in self.electorate for r in self.recoveries.values())
+
+    def _rebind_voters(self):
+        """Voters whose connection dropped bind to it again once it is open. Their votes stand, and raising
+        votes and catching up read from them, but a replica session binds only when asked to: one whose
+        recovery waits for the resolution (or has ended) would otherwise stay unusable for the session."""
+        for recovery in self.recoveries.values():
+            storage = recovery.storage
+            if recovery.vote is not None and not recovery.replica.connected and storage not in self._rebinding:
+                self._rebinding.add(storage)
+                recovery.replica.when_connected().addBoth(self._rebound, storage)
+
+    def _rebound(self, _, storage):
+        self._rebinding.discard(storage)    # bound, or the session closed (nothing to do then)
 
     def _read_from_voters(self, recovery, mark, first, count):
         holders = [other.replica for other in self._voters_holding(mark, recovery)]
@@ -470,7 +491,12 @@ class RecoveryManager:
 
     def ushers_for(self, recovery, first) -> defer.Deferred:
         """Fires with the connected replicas holding the records from ``first`` up to the resolved mark
-        (all of them, to copy from in turn), waiting while there are none."""
+        (all of them, to copy from in turn), waiting while there are none; fails with
+        :class:`RecoveryAborted` once recovery stopped."""
+        if self.stopped:
+            return defer.fail(RecoveryAborted("recovery of partition %d session %d stopped"
+                                              % (self.partition_id, self.session_id)))
+        self._rebind_voters()
         ushers = [other.replica for other in self._voters_holding(self.high_water_mark, recovery)
                   if other.max_transaction_id is not None and other.max_transaction_id >= first]
         if ushers:

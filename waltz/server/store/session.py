@@ -162,6 +162,8 @@ class StoreSession:
     def _join(self, storage):
         """Bring a replica that recovered after the quorum up to the committed mark and join it."""
         replica = self.replicas[storage]
+        # Bound again if its connection dropped since it recovered (a session binds only when asked to).
+        yield replica.when_connected()
         yield self.metadata_store.update(self.partition_id, lambda current: self._with_member(current, replica))
         copied = yield replica.max_transaction_id()
         holding = False
