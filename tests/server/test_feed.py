@@ -219,3 +219,30 @@ def test_a_long_replay_from_the_store_does_not_starve_the_other_catch_up_feeds()
         clock.advance(0.001)
     replayed, mounted = len(replay.of(FeedData)), len(mount.of(FeedData))
     assert replayed > 0 and mounted > 0 and mounted >= replayed // 4
+
+
+class OneBadBlock(DummyStore):
+    """A store whose block 64..127 no replica can serve (damaged everywhere)."""
+
+    def get_headers(self, transaction_id, max_records):
+        self.header_reads.append((transaction_id, max_records))
+        if 64 <= transaction_id < 128:
+            return defer.fail(OSError("no replica could read"))
+        return super().get_headers(transaction_id, max_records)
+
+
+def test_a_feed_whose_reads_fail_does_not_starve_the_others_and_is_read_for_again_later():
+    clock = Clock()
+    store = OneBadBlock(5000, partition_id=PID)
+    feeds = FeedScheduler(PID, FeedCache(), store, clock, retry_interval=0.5)
+    feeds.advance(store.high_water_mark)
+    stuck, other = DummyConnection("stuck"), DummyConnection("other")
+    feeds.add(FeedContext(ReqId(1, 1, PID, 0), stuck, 64, 4000, FeedSuspended(ReqId(1, 1, PID, 0))))
+    feeds.add(FeedContext(ReqId(2, 1, PID, 0), other, 2000, 3000, FeedSuspended(ReqId(2, 1, PID, 0))))
+    for _ in range(20):
+        clock.advance(0.5)
+    # before: every read was for 64 (the stuck feed first in line each time) and the other got nothing
+    assert [m.transaction_id for m in other.of(FeedData)] == list(range(2000, 5000))
+    assert stuck.of(FeedData) == []
+    stuck_reads = [first for first, _ in store.header_reads if first == 64]
+    assert 10 <= len(stuck_reads) <= 22                # about one every retry interval, no faster

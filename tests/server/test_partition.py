@@ -27,6 +27,7 @@ from waltz.server.caches import FeedCache, TransactionDataCache
 from waltz.server.partition import (
     AppendTaskState, ClientConnection, PartitionClosed, PartitionMetrics, PartitionSettings, PartitionState,
     ServerPartition)
+from waltz.server.data_reads import MAX_DATA_READS_IN_FLIGHT, DataReadGate
 from waltz.server.store.partition import AppendFailed, AppendFateUnknown, PartitionNotOwned
 
 PID = 3
@@ -127,6 +128,10 @@ class DummyConnection:
         self.sent = []
         self.writable = True
         self.closed = False
+        self.data_reads = DataReadGate(self)
+
+    def run_data_read(self, read):
+        return self.data_reads.run(read)
 
     def sendMessage(self, message):
         assert not self.closed, "sent %r on a closed connection" % (message,)
@@ -157,9 +162,9 @@ def append(seq, client_hwm=-1, data=b"data", header=0, client=1, generation=GEN,
 
 
 class Harness:
-    def __init__(self, records=0, settings=None, healthy=True, auto_commit=False, **kwargs):
+    def __init__(self, records=0, settings=None, healthy=True, auto_commit=False, store=None, **kwargs):
         self.clock = Clock()
-        self.store = DummyStore(records, healthy=healthy, auto_commit=auto_commit)
+        self.store = store or DummyStore(records, healthy=healthy, auto_commit=auto_commit)
         self.registry = Registry()
         self.metrics = PartitionMetrics(self.registry)
         self.partition = ServerPartition(PID, GEN, self.store, settings or PartitionSettings(), self.clock,
@@ -823,3 +828,81 @@ def test_data_requests_tell_the_client_when_to_look_again_or_ask_again():
     for response in (transient, batch):
         assert not response.ok
         assert RETRY_LATER_MARK in response.error and "no readable replica right now" in response.error
+
+
+class HeldReadStore(DummyStore):
+    """Store reads answer when the test says, as a storage over the network does."""
+
+    def __init__(self, records):
+        super().__init__(records)
+        self.held = []
+
+    def get_records(self, transaction_id, max_records):
+        d = defer.Deferred()
+        self.held.append((d, tuple(self.records[transaction_id:transaction_id + max_records])))
+        return d
+
+    def get_record(self, transaction_id):
+        d = defer.Deferred()
+        self.held.append((d, self.records[transaction_id]))
+        return d
+
+    def answer(self, count):
+        for d, result in [self.held.pop(0) for _ in range(count)]:
+            d.callback(result)
+
+
+def test_a_connection_runs_a_few_data_reads_at_a_time_and_none_while_it_is_not_writable():
+    # A reader pipelines 256 data requests by default: every one started at once, a slow reader made the
+    # server buffer every answer (4 MiB each) although it had stopped reading from the connection.
+    from waltz.protocols.client_messages import TransactionDataBatchRequest, TransactionDataBatchResponse
+    h = Harness(store=HeldReadStore(5))
+    rpc = DummyConnection("rpc")
+    waits = [h.partition.handle(rpc, TransactionDataBatchRequest(rid(n), [0, 1, 2]))
+             for n in range(40)]
+    waits.append(h.partition.handle(rpc, TransactionDataRequest(rid(40), 4)))
+    assert len(h.store.held) == MAX_DATA_READS_IN_FLIGHT
+    assert all(isinstance(d, defer.Deferred) and not d.called for d in waits)   # inbound back pressure
+    h.store.answer(1)
+    assert len(rpc.of(TransactionDataBatchResponse)) == 1 and len(h.store.held) == MAX_DATA_READS_IN_FLIGHT
+    rpc.writable = False                    # the client stopped reading
+    h.store.answer(MAX_DATA_READS_IN_FLIGHT)
+    assert h.store.held == [] and rpc.data_reads.waiting == 40 - MAX_DATA_READS_IN_FLIGHT
+    rpc.writable = True
+    rpc.data_reads.wake()
+    while h.store.held:
+        h.store.answer(len(h.store.held))
+    assert len(rpc.of(TransactionDataBatchResponse)) == 40 and len(rpc.of(TransactionDataResponse)) == 1
+    assert all(d.called for d in waits)
+
+
+def test_data_reads_waiting_when_the_connection_closes_are_dropped():
+    from waltz.protocols.client_messages import TransactionDataBatchRequest
+    h = Harness(store=HeldReadStore(5))
+    rpc = DummyConnection("rpc")
+    waits = [h.partition.handle(rpc, TransactionDataBatchRequest(rid(n), [0])) for n in range(12)]
+    rpc.closed = True
+    rpc.data_reads.wake()
+    assert all(d.called for d in waits[MAX_DATA_READS_IN_FLIGHT:])
+    assert len(h.store.held) == MAX_DATA_READS_IN_FLIGHT       # the reads running end as they do
+
+
+def test_a_connection_flooding_flushes_or_mounts_is_closed_and_a_repeated_mount_waits_once(h):
+    # Before: each FLUSH (distinct ReqId) or repeated mount added a waiter at the barrier, without limit and
+    # outside the back pressure, while an append was stuck with the store.
+    from waltz.protocols.errors import ProtocolError
+    from waltz.server.partition import MAX_WAITS_PER_CONNECTION
+    conn = mounted_with_two_appends_then_a_flush(h)
+    for seq in range(4, MAX_WAITS_PER_CONNECTION + 3):
+        h.handle(conn, FlushRequest(rid(seq)))
+    with pytest.raises(ProtocolError, match="more than %d flush or mount requests waiting" % MAX_WAITS_PER_CONNECTION):
+        h.handle(conn, FlushRequest(rid(MAX_WAITS_PER_CONNECTION + 3)))
+    other = DummyConnection("other")     # other connections are not affected
+    h.handle(other, FlushRequest(rid(1, client=2)))
+    remount = MountRequest(rid(0, client=3), -1, 1)
+    for _ in range(5):
+        h.handle(other, remount)
+    h.store.commit()
+    assert other.of(FlushResponse) == [FlushResponse(rid(1, client=2), 1)]
+    h.run()
+    assert other.of(MountResponse) == [MountResponse(rid(0, client=3), MountState.READY)]

@@ -431,3 +431,43 @@ def test_a_transport_without_tcp_options_is_fine():
     transport = StringTransport()
     proto.makeConnection(transport)
     assert proto.transport is transport and transport.value()   # the Hello went out
+
+
+def test_a_reader_that_stops_reading_gets_only_a_few_data_answers_buffered():
+    # Before: every pipelined batch request started its store read at once, and every 4 MiB answer went
+    # into the transport's buffer after the client had stopped reading (1 GiB for the client's default 256).
+    from waltz.protocols.values import Record
+    from waltz.server.data_reads import MAX_DATA_READS_IN_FLIGHT
+    mib = 1024 * 1024
+
+    class HeldStore(DummyStore):
+        def __init__(self):
+            super().__init__(0, partition_id=3)
+            self.records = [Record.create(i, ReqId(99, 1, 3, i), 0, bytes([i]) * mib) for i in range(5)]
+            self.high_water_mark = 4
+            self.reads = []
+
+        def get_records(self, transaction_id, max_records):
+            d = defer.Deferred()
+            self.reads.append((d, tuple(self.records[transaction_id:transaction_id + max_records])))
+            return d
+
+    store = HeldStore()
+    partition = ServerPartition(3, 7, store, PartitionSettings(), Clock())
+    partition.start()
+    proto = ServerFactory(DummyRegistry([partition]), max_frame_size=1 << 26).buildProtocol(None)
+    transport = StringTransport()
+    proto.makeConnection(transport)
+    proto.dataReceived(Hello((3, 4, 5), "Waltz Client").to_frame())
+    proto.dataReceived(b"".join(encode_frame(b"L", 5, cm.CLIENT_CODEC.encode(
+        cm.TransactionDataBatchRequest(ReqId(1, 7, 3, n), list(range(5))), 5)) for n in range(64)))
+    assert len(store.reads) == MAX_DATA_READS_IN_FLIGHT
+    transport.clear()
+    store.reads.pop(0)[0].callback(store.records)
+    proto.pauseProducing()                   # that first answer filled the socket's buffer
+    while store.reads:
+        d, records = store.reads.pop(0)
+        d.callback(records)
+    assert len(transport.value()) <= MAX_DATA_READS_IN_FLIGHT * 5 * mib
+    proto.resumeProducing()                  # the client reads again: the next reads start
+    assert len(store.reads) == MAX_DATA_READS_IN_FLIGHT

@@ -19,8 +19,10 @@ tasks on the reactor (reference section 6):
   per visit before going to the back of the line;
 * headers come from the :class:`~waltz.server.caches.FeedCache`; on a miss
   one block-filling read (``store.get_headers``) is made at a time, for the
-  first feed in service order that needs it; an empty or failed read is
-  retried after ``retry_interval`` seconds;
+  first feed in service order that needs it; after an empty or failed read
+  that feed goes to the back of the line and is not read for again for
+  ``retry_interval`` seconds (the others are: a range no replica can serve
+  stalls only the feeds that need it);
 * a feed whose connection is not ``writable`` (the peer reads slowly:
   outbound back pressure) is skipped until :meth:`FeedScheduler.wake` is
   called for it; a feed whose connection closed is dropped.
@@ -58,6 +60,8 @@ class FeedContext:
     end_message = attr.ib()
     #: Position in the catch-up line (set by the scheduler).
     turn = attr.ib(default=0)
+    #: Reactor time before which no store read is made for this feed (after an empty or failed one).
+    read_again_at = attr.ib(default=None)
 
     def behind(self, high_water_mark: int) -> int:
         """How many committed transactions this feed has not sent yet."""
@@ -154,6 +158,7 @@ class FeedScheduler:
             return
         budget = self.items_per_turn
         needs_read = None
+        read_later = False      # a feed needs a read but waits after a failed one
         progress = True
         while progress and budget > 0:
             progress = False
@@ -168,14 +173,22 @@ class FeedScheduler:
                 progress = progress or sent > 0
                 if self._feeds.get(feed.connection) is not feed:
                     continue                          # it ended
-                if missed:
-                    needs_read = needs_read or feed
+                if missed and needs_read is None:
+                    if self._may_read_for(feed):
+                        needs_read = feed
+                    else:
+                        read_later = True
                 if sent and self.kind_of(feed) is FeedKind.CATCH_UP:
                     feed.turn = next(self._turns)     # to the back of the catch-up line
         if needs_read is not None:
             self._read_for(needs_read)
+        if read_later:
+            self._retry_later()
         if budget <= 0 and any(self._sendable(feed) for feed in self._feeds.values()):
             self.wake()
+
+    def _may_read_for(self, feed) -> bool:
+        return feed.read_again_at is None or feed.read_again_at <= self.reactor.seconds()
 
     def _in_service_order(self) -> list:
         realtime, catch_up = [], []
@@ -219,12 +232,12 @@ class FeedScheduler:
     # -- reading from the store ---------------------------------------------------------------
 
     def _read_for(self, feed):
-        if self._reading or self._retry_call is not None:
+        if self._reading:
             return
         self._reading = True
         first = feed.next_transaction_id
         d = defer.maybeDeferred(self.store.get_headers, first, FeedCache.block_remainder(first))
-        d.addCallbacks(self._read_done, self._read_failed, callbackArgs=(feed,), errbackArgs=(first,))
+        d.addCallbacks(self._read_done, self._read_failed, callbackArgs=(feed,), errbackArgs=(first, feed))
         d.addErrback(self._unexpected)
 
     def _read_done(self, headers, feed):
@@ -235,8 +248,9 @@ class FeedScheduler:
         headers = list(headers)
         self.cache.add_all(self.partition_id, headers)
         if not headers:
-            self._retry_later()
+            self._read_later(feed)
             return
+        feed.read_again_at = None
         if self._feeds.get(feed.connection) is feed and self._sendable(feed):
             start = feed.next_transaction_id - headers[0].transaction_id
             if 0 <= start < len(headers):
@@ -256,17 +270,35 @@ class FeedScheduler:
         self.log.failure("partition {pid}: feed error", failure, pid=self.partition_id)
         self.wake()   # the feeds go on (reading again if needed)
 
-    def _read_failed(self, failure, first):
+    def _read_failed(self, failure, first, feed):
         self._reading = False
         if self.closed:
             return
         self.log.warn("partition {pid}: reading record headers from {first} failed: {reason}; retrying",
                       pid=self.partition_id, first=first, reason=failure.getErrorMessage())
+        self._read_later(feed)
+
+    def _read_later(self, feed):
+        """Read for ``feed`` again after the retry interval, at the back of the line; the others go on."""
+        feed.read_again_at = self.reactor.seconds() + self.retry_interval
+        feed.turn = next(self._turns)
         self._retry_later()
+        self.wake()
 
     def _retry_later(self):
-        if self._retry_call is None:
-            self._retry_call = self.reactor.callLater(self.retry_interval, self._retry)
+        """Wake when the first feed waiting to be read for again may be."""
+        now = self.reactor.seconds()
+        due = [feed.read_again_at for feed in self._feeds.values()
+               if feed.read_again_at is not None and feed.read_again_at > now]
+        if not due:
+            return
+        when = min(due)
+        if self._retry_call is not None:
+            if self._retry_call.active() and self._retry_call.getTime() <= when:
+                return
+            if self._retry_call.active():
+                self._retry_call.cancel()
+        self._retry_call = self.reactor.callLater(when - now, self._retry)
 
     def _retry(self):
         self._retry_call = None

@@ -81,6 +81,10 @@ class ClientConnection(Interface):
     def sendPayloads(payloads):
         """Send ``L`` messages already encoded (the feed encodes each ``FeedData`` once for every client)."""
 
+    def run_data_read(read):
+        """Call ``read()``, which starts a store read for a data request and answers it, when the connection
+        admits it (:class:`~waltz.server.data_reads.DataReadGate`); returns a Deferred firing once it ran."""
+
 
 class PartitionClosed(Exception):
     """The partition closed (moved to another server) before the request could be served."""
@@ -215,6 +219,7 @@ class _Barrier:
 
     waiters = attr.ib(factory=list)
     keys = attr.ib(factory=set)      # what the waiters answer, e.g. (connection, FLUSH ReqId)
+    per_connection = attr.ib(factory=collections.Counter)   # connection -> its keys among them
 
     def wait(self) -> defer.Deferred:
         d = defer.Deferred()
@@ -231,6 +236,11 @@ class _Barrier:
         for d in waiters:
             d.errback(error)
 
+
+#: Distinct FLUSH (and mount) requests of one connection that may wait at one point of a partition's append
+#: queue. A client flushes the few ReqIds it is unsure of; thousands mean a client flooding the server, whose
+#: connection is then closed (the waits would otherwise grow without bound, outside the back pressure).
+MAX_WAITS_PER_CONNECTION = 1000
 
 #: Most transaction ids one TransactionDataBatchRequest may name.
 MAX_BATCH_TRANSACTIONS = 10_000
@@ -489,9 +499,11 @@ class ServerPartition:
                           pid=self.partition_id, client=req_id.client_id, key=key, old=current.key)
             self.feeds.remove_connection(current.connection)
         self._mounts[req_id.client_id] = MountedClient(req_id.client_id, key, connection, req_id)
-        self._enqueue_barrier().addCallbacks(       # (not returned: see _flush)
-            self._mount_flushed, self._mount_abandoned,
-            callbackArgs=(connection, request), errbackArgs=(connection, request))
+        # (Not returned: see _flush.) The same mount request sent again on the connection waits as one.
+        d = self._enqueue_barrier(key=(connection, "mount", req_id))
+        if d is not None:
+            d.addCallbacks(self._mount_flushed, self._mount_abandoned,
+                           callbackArgs=(connection, request), errbackArgs=(connection, request))
         return None
 
     def _mount_flushed(self, high_water_mark, connection, request):
@@ -584,7 +596,10 @@ class ServerPartition:
             self.metrics.data_served.inc(1, self.partition_id)
             connection.sendMessage(TransactionDataResponse(request.req_id, txn, True, cached.data, cached.checksum))
             return None
-        d = defer.maybeDeferred(self.store.get_record, txn)
+        return connection.run_data_read(lambda: self._read_record(connection, request))
+
+    def _read_record(self, connection, request):
+        d = defer.maybeDeferred(self.store.get_record, request.transaction_id)
         d.addCallback(self._record_read, connection, request)
         d.addErrback(self._record_read_failed, connection, request)
         return d
@@ -627,7 +642,10 @@ class ServerPartition:
         if error is not None:
             connection.sendMessage(TransactionDataBatchResponse.failure(request.req_id, error))
             return None
-        d = read_record_batch(self.store, ids, self.partition_id, MAX_BATCH_RESPONSE_BYTES)
+        return connection.run_data_read(lambda: self._read_batch(connection, request))
+
+    def _read_batch(self, connection, request):
+        d = read_record_batch(self.store, request.transaction_ids, self.partition_id, MAX_BATCH_RESPONSE_BYTES)
         d.addCallback(self._batch_read, connection, request)
         d.addErrback(self._batch_failed, connection, request)
         return d
@@ -679,7 +697,9 @@ class ServerPartition:
 
     def _enqueue_barrier(self, key=None):
         """A Deferred firing with the high-water mark once every append queued so far has settled (failing
-        with PartitionClosed if it closes first); None when ``key`` already waits at that point."""
+        with PartitionClosed if it closes first); None when ``key`` (``(connection, ...)``) already waits at
+        that point. A :class:`ProtocolError` (closing the connection) past MAX_WAITS_PER_CONNECTION keys of one
+        connection there."""
         last = self._queue[-1] if self._queue else None
         if isinstance(last, _Barrier):
             if key is not None and key in last.keys:
@@ -688,7 +708,12 @@ class ServerPartition:
             last = _Barrier()
             self._queue.append(last)
         if key is not None:
+            connection = key[0]
+            if last.per_connection[connection] >= MAX_WAITS_PER_CONNECTION:
+                raise ProtocolError("more than %d flush or mount requests waiting on partition %d"
+                                    % (MAX_WAITS_PER_CONNECTION, self.partition_id))
             last.keys.add(key)
+            last.per_connection[connection] += 1
         d = last.wait()
         self._run_append_task()
         return d

@@ -38,6 +38,7 @@ from waltz.protocols import client_messages as cm
 from waltz.protocols.base import WaltzProtocol
 from waltz.protocols.errors import ProtocolError
 from waltz.protocols.framing import MAX_TRANSACTION_DATA_SIZE
+from waltz.server.data_reads import DataReadGate
 from waltz.server.partition import ClientConnection, ServerPartition
 
 #: Answers to partition messages for a partition this server does not have (others are dropped).
@@ -88,8 +89,9 @@ class ServerProtocol(WaltzProtocol):
     codec = cm.CLIENT_CODEC
     hello_name = "Waltz Server"
     #: A client that does not read what it is sent gets nothing more read from it: its feeds stop by
-    #: themselves, but answers to data requests it kept pipelining would be buffered without bound.
-    #: (Its appends then wait in its own buffers: the back pressure reaches the application.)
+    #: themselves, and its data requests would be answered into the transport's buffer (the reads already
+    #: started still are, at most DataReadGate's few). (Its appends then wait in its own buffers: the back
+    #: pressure reaches the application.)
     pause_reading_while_unwritable = True
     #: Messages handled by a partition.
     PARTITION_MESSAGES = frozenset(ServerPartition.HANDLERS)
@@ -100,6 +102,10 @@ class ServerProtocol(WaltzProtocol):
         super().__init__()
         self.registry = registry
         self._partitions = {}    # partition id -> the ServerPartition this connection talked to
+        self._data_reads = DataReadGate(self)
+
+    def run_data_read(self, read):
+        return self._data_reads.run(read)
 
     # -- connection life ----------------------------------------------------------------------
 
@@ -116,8 +122,10 @@ class ServerProtocol(WaltzProtocol):
         partitions, self._partitions = list(self._partitions.values()), {}
         for partition in partitions:
             partition.connection_closed(self)
+        self._data_reads.wake()     # what waits is dropped
 
     def outboundResumed(self):
+        self._data_reads.wake()
         for partition in list(self._partitions.values()):
             partition.connection_writable(self)
 

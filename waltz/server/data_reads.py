@@ -1,0 +1,67 @@
+"""How many data reads one client connection may have running: :class:`DataReadGate`.
+
+A reader pipelines its transaction-data requests (``client.maxDataRequestsInFlight``, 256 by
+default), and each answer is up to 4 MiB (a batch) or 15 MiB (one transaction). The connection
+stops *reading* requests while the client does not read its answers, but the answers of reads
+already started are still written into the transport's buffer: with every request of such a
+reader started at once, a slow reader made the server buffer a gigabyte. So a connection starts
+at most :data:`MAX_DATA_READS_IN_FLIGHT` store reads at a time, and none while it is not writable;
+the requests waiting for their turn count toward the connection's inbound back pressure (their
+Deferreds are pending), which stops reading from it once enough wait.
+"""
+
+from collections import deque
+
+from twisted.internet import defer
+
+#: Store reads for data requests one connection may have started and not answered yet.
+MAX_DATA_READS_IN_FLIGHT = 8
+
+
+class DataReadGate:
+    """Admits the data reads of one client connection (see the module docstring).
+
+    ``connection`` has ``writable`` and ``closed``; its owner calls :meth:`wake` when it becomes
+    writable again or closes.
+    """
+
+    def __init__(self, connection, limit=MAX_DATA_READS_IN_FLIGHT):
+        self._connection = connection
+        self._limit = limit
+        self._running = 0
+        self._waiting = deque()     # (read, Deferred) in arrival order
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def run(self, read):
+        """Call ``read()`` (which starts a read and answers it; it may return a Deferred) when its turn
+        comes; the Deferred returned fires with its result, or with None without calling it if the
+        connection closed first."""
+        done = defer.Deferred()
+        self._waiting.append((read, done))
+        self._admit()
+        return done
+
+    def wake(self):
+        """The connection became writable, or closed: admit what waits."""
+        self._admit()
+
+    def _admit(self):
+        while self._waiting and self._connection.closed:
+            _, done = self._waiting.popleft()
+            done.callback(None)
+        while self._waiting and self._running < self._limit and self._connection.writable:
+            read, done = self._waiting.popleft()
+            self._running += 1
+            defer.maybeDeferred(read).addBoth(self._ended).chainDeferred(done)
+
+    def _ended(self, result):
+        self._running -= 1
+        self._admit()
+        return result
