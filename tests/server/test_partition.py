@@ -858,21 +858,22 @@ def test_a_connection_runs_a_few_data_reads_at_a_time_and_none_while_it_is_not_w
     from waltz.protocols.client_messages import TransactionDataBatchRequest, TransactionDataBatchResponse
     h = Harness(store=HeldReadStore(5))
     rpc = DummyConnection("rpc")
+    count = MAX_DATA_READS_IN_FLIGHT + 32
     waits = [h.partition.handle(rpc, TransactionDataBatchRequest(rid(n), [0, 1, 2]))
-             for n in range(40)]
-    waits.append(h.partition.handle(rpc, TransactionDataRequest(rid(40), 4)))
+             for n in range(count)]
+    waits.append(h.partition.handle(rpc, TransactionDataRequest(rid(count), 4)))
     assert len(h.store.held) == MAX_DATA_READS_IN_FLIGHT
     assert all(isinstance(d, defer.Deferred) and not d.called for d in waits)   # inbound back pressure
     h.store.answer(1)
     assert len(rpc.of(TransactionDataBatchResponse)) == 1 and len(h.store.held) == MAX_DATA_READS_IN_FLIGHT
     rpc.writable = False                    # the client stopped reading
     h.store.answer(MAX_DATA_READS_IN_FLIGHT)
-    assert h.store.held == [] and rpc.data_reads.waiting == 40 - MAX_DATA_READS_IN_FLIGHT
+    assert h.store.held == [] and rpc.data_reads.waiting == count - MAX_DATA_READS_IN_FLIGHT
     rpc.writable = True
     rpc.data_reads.wake()
     while h.store.held:
         h.store.answer(len(h.store.held))
-    assert len(rpc.of(TransactionDataBatchResponse)) == 40 and len(rpc.of(TransactionDataResponse)) == 1
+    assert len(rpc.of(TransactionDataBatchResponse)) == count and len(rpc.of(TransactionDataResponse)) == 1
     assert all(d.called for d in waits)
 
 
@@ -880,7 +881,8 @@ def test_data_reads_waiting_when_the_connection_closes_are_dropped():
     from waltz.protocols.client_messages import TransactionDataBatchRequest
     h = Harness(store=HeldReadStore(5))
     rpc = DummyConnection("rpc")
-    waits = [h.partition.handle(rpc, TransactionDataBatchRequest(rid(n), [0])) for n in range(12)]
+    waits = [h.partition.handle(rpc, TransactionDataBatchRequest(rid(n), [0]))
+             for n in range(MAX_DATA_READS_IN_FLIGHT + 4)]
     rpc.closed = True
     rpc.data_reads.wake()
     assert all(d.called for d in waits[MAX_DATA_READS_IN_FLIGHT:])

@@ -460,7 +460,8 @@ def test_a_reader_that_stops_reading_gets_only_a_few_data_answers_buffered():
     proto.makeConnection(transport)
     proto.dataReceived(Hello((3, 4, 5), "Waltz Client").to_frame())
     proto.dataReceived(b"".join(encode_frame(b"L", 5, cm.CLIENT_CODEC.encode(
-        cm.TransactionDataBatchRequest(ReqId(1, 7, 3, n), list(range(5))), 5)) for n in range(64)))
+        cm.TransactionDataBatchRequest(ReqId(1, 7, 3, n), list(range(5))), 5))
+        for n in range(2 * MAX_DATA_READS_IN_FLIGHT + 8)))
     assert len(store.reads) == MAX_DATA_READS_IN_FLIGHT
     transport.clear()
     store.reads.pop(0)[0].callback(store.records)

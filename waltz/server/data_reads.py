@@ -15,7 +15,7 @@ from collections import deque
 from twisted.internet import defer
 
 #: Store reads for data requests one connection may have started and not answered yet.
-MAX_DATA_READS_IN_FLIGHT = 8
+MAX_DATA_READS_IN_FLIGHT = 32
 
 
 class DataReadGate:
