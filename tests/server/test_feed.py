@@ -205,16 +205,26 @@ class SlowStore(DummyStore):
         return answer
 
 
+def feeds_of(store, clock, specs, **settings):
+    """The connections of catch-up feeds ``(name, first id, credit)`` (client ids 1, 2, ...) of a scheduler
+    over ``store`` at its high-water mark."""
+    feeds = FeedScheduler(PID, FeedCache(), store, clock, **settings)
+    feeds.advance(store.high_water_mark)
+    connections = []
+    for client, (name, first, credit) in enumerate(specs, 1):
+        connection = DummyConnection(name)
+        feeds.add(FeedContext(ReqId(client, 1, PID, 0), connection, first, credit,
+                              FeedSuspended(ReqId(client, 1, PID, 0))))
+        connections.append(connection)
+    return connections
+
+
 def test_a_long_replay_from_the_store_does_not_starve_the_other_catch_up_feeds():
     # A catch-up feed served from a store read must go to the back of the line, as one served from
     # the cache does; otherwise it misses again at its next block and is read for again, first.
     clock = Clock()
     store = SlowStore(20000, partition_id=PID, clock=clock)
-    feeds = FeedScheduler(PID, FeedCache(), store, clock, realtime_threshold=1000)
-    feeds.advance(store.high_water_mark)
-    replay, mount = DummyConnection("replay"), DummyConnection("mount")
-    feeds.add(FeedContext(ReqId(1, 1, PID, 0), replay, 0, 20000, FeedSuspended(ReqId(1, 1, PID, 0))))
-    feeds.add(FeedContext(ReqId(2, 1, PID, 0), mount, 10000, 10000, FeedSuspended(ReqId(2, 1, PID, 0))))
+    replay, mount = feeds_of(store, clock, [("replay", 0, 20000), ("mount", 10000, 10000)], realtime_threshold=1000)
     for _ in range(100):
         clock.advance(0.001)
     replayed, mounted = len(replay.of(FeedData)), len(mount.of(FeedData))
@@ -234,11 +244,7 @@ class OneBadBlock(DummyStore):
 def test_a_feed_whose_reads_fail_does_not_starve_the_others_and_is_read_for_again_later():
     clock = Clock()
     store = OneBadBlock(5000, partition_id=PID)
-    feeds = FeedScheduler(PID, FeedCache(), store, clock, retry_interval=0.5)
-    feeds.advance(store.high_water_mark)
-    stuck, other = DummyConnection("stuck"), DummyConnection("other")
-    feeds.add(FeedContext(ReqId(1, 1, PID, 0), stuck, 64, 4000, FeedSuspended(ReqId(1, 1, PID, 0))))
-    feeds.add(FeedContext(ReqId(2, 1, PID, 0), other, 2000, 3000, FeedSuspended(ReqId(2, 1, PID, 0))))
+    stuck, other = feeds_of(store, clock, [("stuck", 64, 4000), ("other", 2000, 3000)], retry_interval=0.5)
     for _ in range(20):
         clock.advance(0.5)
     # before: every read was for 64 (the stuck feed first in line each time) and the other got nothing
