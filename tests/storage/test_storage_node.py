@@ -360,3 +360,84 @@ async def test_a_record_list_stops_short_of_the_frame_limit(harness):
     listed = (await s.request(sm.RecordListRequest(1, 0, 0, 0, 12))).records
     assert listed == big[:3]                   # 3 x 2 MiB fit in 8 MiB, a fourth would not
     assert (await s.request(sm.RecordListRequest(1, 0, 0, 3, 12))).records == big[3:6]
+
+
+def _append(node, pid, session, first, count):
+    return node.partition(pid).handle(sm.AppendRequest(session, 0, pid, records(first, count, pid), False))
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_assign_waits_for_an_unassign_of_the_same_partition_still_draining(tmp_path):
+    # Before: the assign opened a second log on the same files while the unassigned one still wrote the
+    # appends it had acknowledged; the new log missed them (and overwrote them), and the unassign, ending
+    # last, left the control record saying "not assigned" under a served partition.
+    import time
+    from twisted.internet import task
+    from waltz.storage.controlfile import PartitionFlags
+    node = StorageNode(str(tmp_path), reactor)
+    await node.open(KEY, PARTITIONS)
+    try:
+        await node.assign([0], True)
+        await _append(node, 0, 1, 0, 10)
+        node.partition(0).worker.submit(time.sleep, 0.5)        # the disk thread is busy
+        acked = _append(node, 0, 1, 10, 5)                       # admitted before the unassign
+        unassign = node.assign([0], False)
+        await task.deferLater(reactor, 0.05, lambda: None)
+        await defer.gatherResults([acked, unassign, node.assign([0], True)])
+        assert node.partition(0).log.max_transaction_id == 14
+        assert node.control.partition_info(0).flags & PartitionFlags.ASSIGNED
+    finally:
+        await node.close()
+    reopened = StorageNode(str(tmp_path), reactor)
+    await reopened.open(KEY, PARTITIONS)
+    try:
+        assert reopened.partition(0).log.max_transaction_id == 14
+    finally:
+        await reopened.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_append_admitted_before_a_toggle_is_refused_when_its_turn_comes(tmp_path):
+    # The flags were checked only on admission: an append admitted in the same turn as "unwritable" (or
+    # "offline") was written after the admin tool had been told the toggle was done.
+    from waltz.storage.controlfile import PartitionFlags
+    from waltz.storage.partition import PartitionRefused
+    node = StorageNode(str(tmp_path), reactor)
+    await node.open(KEY, PARTITIONS)
+    try:
+        await node.assign([0, 1], True)
+        toggled = node.set_flag([0], PartitionFlags.UNWRITABLE, True)
+        offline = node.set_flag([1], PartitionFlags.AVAILABLE, False)
+        refused_append = _append(node, 0, 1, 0, 1)
+        refused_offline = _append(node, 1, 1, 0, 1)
+        await defer.gatherResults([toggled, offline])
+        with pytest.raises(PartitionRefused, match="partition 0 is not writable"):
+            await refused_append
+        with pytest.raises(PartitionRefused, match="partition 1 is not available"):
+            await refused_offline
+        assert node.partition(0).log.max_transaction_id == -1 and node.partition(1).log.max_transaction_id == -1
+        assert node.assigned_status() == ((0, False), (1, False))     # not writable, not available
+    finally:
+        await node.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_log_left_unusable_by_a_truncation_is_reported_unhealthy(tmp_path):
+    # The log refused every request ("restart the storage node") while /health and the admin status,
+    # which waltz storage list and waltz cluster verify read, said it served.
+    node = StorageNode(str(tmp_path), reactor, segment_size_threshold=4096)
+    await node.open(KEY, PARTITIONS)
+    try:
+        await node.assign([0], True)
+        await _append(node, 0, 1, 0, 100)
+        partition = node.partition(0)
+        first = os.path.join(str(tmp_path), "0", "%019d.seg" % partition.log.segment_ids[0])
+        with open(first, "r+b") as stream:      # damage the reopen's header check finds
+            stream.seek(28)
+            stream.write(b"\x00\x00\x00\x07")
+        with pytest.raises(Exception):
+            await partition.handle(sm.TruncateRequest(1, 0, 0, 5, False))
+        assert "its log is unusable: truncation to 5 could not reopen segment" in partition.problem
+        assert node.assigned_status() == ((0, False),)
+    finally:
+        await node.close()

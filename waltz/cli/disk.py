@@ -11,12 +11,13 @@ Subcommands:
 Everything is opened read-only and nothing is repaired: recovery is the daemon's job.
 """
 
+import contextlib
 import datetime
 import os
 from contextlib import closing
 
 from waltz.cli.common import CliError, non_negative_int
-from waltz.storage.controlfile import ControlFile, PartitionFlags
+from waltz.storage.controlfile import ControlFile, PartitionFlags, shared_directory_lock
 from waltz.storage.errors import StorageDirectoryInUse, StorageError
 from waltz.storage.index import FILE_HEADER_SIZE
 from waltz.storage.segment import RecordScanner, Segment, list_segments, parse_data_file_name
@@ -105,8 +106,7 @@ def format_flags(flags: int) -> str:
 
 def run_dump_segment(args) -> int:
     """Print a segment's header and its records from ``--from``; status 1 if a bad record stops it."""
-    segment = _open_segment(args.file)
-    with closing(segment):
+    with _segment_of(args.file) as segment:
         _print_segment_header(segment)
         first = segment.first_transaction_id
         start_txn = first if args.from_txn is None else max(args.from_txn, first)
@@ -162,8 +162,7 @@ def _print_record(scanned, with_data: bool) -> None:
 
 def run_verify_segment(args) -> int:
     """Check every record and index entry; :class:`CliError` (status 1) names the first problem."""
-    segment = _open_segment(args.file)
-    with closing(segment):
+    with _segment_of(args.file) as segment:
         problem, records = verify_segment(segment)
     if problem:
         raise CliError("segment %s: %s" % (args.file, problem))
@@ -211,8 +210,9 @@ def run_segment_stats(args) -> int:
         partitions = [args.partition]
     if not partitions:
         print("no partition directories in %s" % args.dir)
-    for pid in partitions:
-        _print_partition_stats(os.path.join(args.dir, str(pid)), pid)
+    with _node_stopped(args.dir):
+        for pid in partitions:
+            _print_partition_stats(os.path.join(args.dir, str(pid)), pid)
     return 0
 
 
@@ -246,6 +246,31 @@ def _print_partition_stats(partition_dir: str, pid: int) -> None:
 def _require_directory(path: str) -> None:
     if not os.path.isdir(path):
         raise CliError("no such directory: %s" % path)
+
+
+@contextlib.contextmanager
+def _node_stopped(directory):
+    """The block runs while no storage node holds ``directory`` (its files would change under the tool,
+    which could then report damage that is not there)."""
+    try:
+        with shared_directory_lock(directory):
+            yield
+    except StorageDirectoryInUse as exc:
+        raise CliError("%s: stop the storage daemon first" % exc) from None
+
+
+def _storage_directory_of(segment_path):
+    """The storage directory of a segment file (``<dir>/<partition>/<id>.seg``)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(segment_path)))
+
+
+@contextlib.contextmanager
+def _segment_of(path):
+    """The segment file at ``path``, open (read-only) for the block, while no storage node runs on it."""
+    with _node_stopped(_storage_directory_of(path)):
+        segment = _open_segment(path)
+        with closing(segment):
+            yield segment
 
 
 def _open_segment(path: str) -> Segment:

@@ -24,6 +24,7 @@ The object is blocking and thread-confined: the storage runs it on a worker
 thread, never on the reactor.
 """
 
+import contextlib
 import enum
 import fcntl
 import os
@@ -424,6 +425,23 @@ class ControlFile:
         if self._sync_failure is not None:
             raise SyncFailed("control file %s is unusable after a failed fdatasync (%s); restart the storage "
                              "node" % (self.path, self._sync_failure))
+
+
+@contextlib.contextmanager
+def shared_directory_lock(directory: str):
+    """Hold the storage directory's lock, shared, for the block (read-only tools):
+    :class:`StorageDirectoryInUse` while a storage node holds it, since its files change under a reader.
+    A directory without a control file (segments copied elsewhere) has no lock to take."""
+    try:
+        fd = os.open(control_file_path(directory), os.O_RDONLY)
+    except FileNotFoundError:
+        yield
+        return
+    try:
+        _lock(fd, directory, shared=True)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _lock(fd: int, directory: str, shared: bool) -> None:

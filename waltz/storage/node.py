@@ -89,6 +89,7 @@ class StorageNode:
         self.metrics = StorageMetrics(self.registry)
         self.control = None
         self.partitions = {}
+        self._admin_locks = {}      # partition id -> DeferredLock of its admin operations
 
     # -- life cycle ----------------------------------------------------------------
 
@@ -193,31 +194,48 @@ class StorageNode:
                                 segment_cache_capacity=self.segment_cache_capacity)
         return info, log
 
+    def _administered(self, pid, function, *args):
+        """Run ``function(*args)`` (which may return a Deferred) after the admin operations on partition
+        ``pid`` requested before it have ended. They change the control record, open and close the log:
+        an assign overlapping an unassign still draining its disk thread opened a second log on the same
+        files, which then missed (and later overwrote) the appends the first one acknowledged."""
+        lock = self._admin_locks.setdefault(pid, defer.DeferredLock())
+        return lock.run(function, *args)
+
     @defer.inlineCallbacks
     def assign(self, partition_ids, assign, delete_files=False):
-        """Assign (create and open) or unassign (close, optionally delete) partitions."""
+        """Assign (create and open) or unassign (close, optionally delete) partitions, one admin operation
+        at a time per partition."""
         for pid in partition_ids:
             self._check_id(pid)
         for pid in partition_ids:
             if assign:
-                yield threads.deferToThread(self.control.set_flag, pid, PartitionFlags.ASSIGNED, True)
-                old = self.partitions.pop(pid, None)
-                if old is not None and old.failure is None:
-                    self.partitions[pid] = old
-                    continue
-                if old is not None:
-                    yield old.close()
-                yield self._open_partition(pid)
+                yield self._administered(pid, self._assign_one, pid)
             else:
-                partition = self.partitions.pop(pid, None)
-                if partition is not None:
-                    yield partition.close()
-                if delete_files:
-                    # The reset clears ASSIGNED too, and works on a corrupted record, which set_flag cannot.
-                    yield threads.deferToThread(self._delete_files, pid)
-                else:
-                    yield threads.deferToThread(self.control.set_flag, pid, PartitionFlags.ASSIGNED, False)
-                self._forget_metrics(pid)
+                yield self._administered(pid, self._unassign_one, pid, delete_files)
+
+    @defer.inlineCallbacks
+    def _assign_one(self, pid):
+        yield threads.deferToThread(self.control.set_flag, pid, PartitionFlags.ASSIGNED, True)
+        old = self.partitions.pop(pid, None)
+        if old is not None and old.failure is None:
+            self.partitions[pid] = old
+            return
+        if old is not None:
+            yield old.close()
+        yield self._open_partition(pid)
+
+    @defer.inlineCallbacks
+    def _unassign_one(self, pid, delete_files):
+        partition = self.partitions.pop(pid, None)
+        if partition is not None:
+            yield partition.close()
+        if delete_files:
+            # The reset clears ASSIGNED too, and works on a corrupted record, which set_flag cannot.
+            yield threads.deferToThread(self._delete_files, pid)
+        else:
+            yield threads.deferToThread(self.control.set_flag, pid, PartitionFlags.ASSIGNED, False)
+        self._forget_metrics(pid)
 
     def _delete_files(self, pid):
         """Reset the partition's control record, then remove its directory, both durably.
@@ -238,11 +256,11 @@ class StorageNode:
     @defer.inlineCallbacks
     def set_flag(self, partition_ids, flag, enabled):
         """Set or clear ``flag`` on assigned partitions (availability, read/write toggles)."""
-        partitions = [self.partition(pid) for pid in partition_ids]
-        for partition in partitions:
-            yield partition.set_flag(flag, enabled)
+        for pid in partition_ids:
+            self.partition(pid)
+        for pid in partition_ids:
+            yield self._administered(pid, lambda pid=pid: self.partition(pid).set_flag(flag, enabled))
 
     def assigned_status(self):
-        """(partition id, serving) for every assigned partition; serving = opened, available, writable."""
-        return tuple((pid, p.problem is None and p.info.available)
-                     for pid, p in sorted(self.partitions.items()))
+        """(partition id, serving) for every assigned partition (see :attr:`StoragePartition.serving`)."""
+        return tuple((pid, p.serving) for pid, p in sorted(self.partitions.items()))

@@ -113,7 +113,15 @@ class StoragePartition:
             return "failed: its disk worker stopped after %s; restart the storage node" % self.worker.failure
         if self.log is not None and self.log.sync_failure is not None:
             return "failed: %s; restart the storage node" % self.log.sync_failure
+        if self.log is not None and self.log.unusable is not None:
+            return "failed: its log is unusable: %s; restart the storage node" % self.log.unusable
         return None
+
+    @property
+    def serving(self) -> bool:
+        """Opened, healthy, available, readable and writable: what a server's store session needs of it."""
+        return (self.problem is None and self.info.available and self.info.readable and self.info.writable
+                and self._control.sync_failure is None)
 
     # -- the request path --------------------------------------------------------------
 
@@ -126,7 +134,15 @@ class StoragePartition:
             return defer.fail(exc)
         method = getattr(self, operation.method)
         submit = self.worker.submit_write if operation.is_write else self.worker.submit
-        return submit(method, message)
+        return submit(self._permitted, method, operation.access, message)
+
+    def _permitted(self, method, access, message):
+        """(worker thread) Run ``method`` if the flags still permit it. They were checked on admission,
+        but a toggle queued before the request (``set_flag``) changes them only when its turn comes: an
+        append admitted just before ``--offline`` or an unwritable toggle would otherwise still be written
+        after the admin tool was told the toggle is done."""
+        check_permission(self.info, self.session_id, message, access)
+        return method(message)
 
     def _admit(self, message, access):
         if self.failure is not None:

@@ -152,6 +152,12 @@ class PartitionLog:
         """The :class:`SyncFailed` that made the log unusable, or None."""
         return self._sync_failure
 
+    @property
+    def unusable(self):
+        """Why the log is unusable besides a failed sync (a truncation that could not reopen a segment), or
+        None."""
+        return self._unusable
+
     def check_usable(self) -> None:
         """Raise unless the log is open and no sync failed: what it holds beyond the last successful
         sync may not be on disk, so not even its end may be reported."""
