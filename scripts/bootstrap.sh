@@ -30,16 +30,21 @@ if [ "$EXTRAS" = "test,spark" ] && command -v java >/dev/null 2>&1 && [ "$(java_
   apt_packages+=(openjdk-17-jre-headless)
 fi
 [ -f /usr/share/java/zookeeper.jar ] || apt_packages+=(zookeeper)
+PYTHON="${PYTHON:-python3}"
+# Debian's own python3 creates virtual environments (with pip) only with its python3-venv package.
+"$PYTHON" -c 'import ensurepip' >/dev/null 2>&1 || apt_packages+=(python3-venv)
 if [ ${#apt_packages[@]} -gt 0 ]; then
   echo "bootstrap: installing Debian packages: ${apt_packages[*]}"
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
+  # (A freshly booted machine may still hold the package lock for its own upgrades: wait for it.)
+  as_root apt-get -o DPkg::Lock::Timeout=300 update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+    --no-install-recommends "${apt_packages[@]}" >/dev/null
 fi
 
-PYTHON="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
+# A .venv whose creation failed half-way (no pip in it) is made again, not reused.
+if ! { [ -x .venv/bin/python ] && .venv/bin/python -m pip --version >/dev/null 2>&1; }; then
   echo "bootstrap: creating .venv"
-  "$PYTHON" -m venv .venv
+  "$PYTHON" -m venv --clear .venv
 fi
 
 # Reinstall only when the package metadata or the requested extras changed.

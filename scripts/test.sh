@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh --spark
-exec .venv/bin/python -m pytest "$@"
+# Every test has its own timeout; this bounds the whole run too (a hang outside any test), then kills.
+exec timeout --kill-after=60 2700 .venv/bin/python -m pytest "$@"

@@ -8,8 +8,13 @@ Sections (add new ones at the end, each with its own heading):
 
 Tests that need ZooKeeper *fail* (a fixture error naming the Debian package),
 never skip, when it is not installed.
+
+* Timeouts: every ``async def`` test is also bounded on the reactor (pytest-timeout's
+  alarm cannot stop a test the reactor is running).
 """
 
+import functools
+import inspect
 import os
 import re
 import sys
@@ -17,6 +22,7 @@ import uuid
 
 import pytest
 import pytest_twisted
+from twisted.internet import defer
 
 from waltz.local.zookeeper import LocalZooKeeper
 from waltz.zk.bridge import ZooKeeperClient
@@ -86,6 +92,41 @@ def pytest_configure(config):
     if path:
         from twisted.logger import globalLogPublisher, textFileLogObserver
         globalLogPublisher.addObserver(textFileLogObserver(open(path, "a")))
+
+
+# --- Timeouts of tests that run on the reactor ------------------------------------------------------
+
+#: Seconds before pytest-timeout's own limit at which a test running on the reactor is cancelled.
+REACTOR_TIMEOUT_MARGIN = 5.0
+
+
+def pytest_collection_modifyitems(config, items):
+    """Bound every ``async def`` test on the reactor itself. pytest-timeout's alarm raises inside the
+    reactor's loop, which catches it and goes on: a test awaiting something that never comes would hang
+    the run. Cancelled by the reactor instead, the test fails with a TimeoutError and its fixtures stop
+    what they started."""
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        function = getattr(item, "obj", None)
+        if not inspect.iscoroutinefunction(function):
+            continue
+        marker = item.get_closest_marker("timeout")
+        seconds = float(marker.args[0]) if marker is not None and marker.args else default
+        if seconds > 0:
+            item.obj = _bounded_on_the_reactor(function, max(1.0, seconds - REACTOR_TIMEOUT_MARGIN))
+
+
+def _bounded_on_the_reactor(function, seconds):
+    @functools.wraps(function)      # (keeps pytest-twisted's mark on the function)
+    async def bounded(**kwargs):
+        from twisted.internet import reactor
+        running = defer.ensureDeferred(function(**kwargs))
+        running.addTimeout(seconds, reactor)
+        try:
+            return await running
+        except defer.TimeoutError:
+            raise TimeoutError("the test did not finish within %.0f s (cancelled on the reactor)" % seconds) from None
+    return bounded
 
 
 # --- Process exit ------------------------------------------------------------------------------

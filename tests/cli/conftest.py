@@ -4,18 +4,31 @@ ZooKeeper."""
 import pytest
 
 from tests.cli.helpers import ok, waltz
-from waltz.local.daemons import free_port
+from waltz.local.daemons import stop_recorded_processes
+from waltz.local.zookeeper import free_port
 
 
 @pytest.fixture
 def dev_cluster(tmp_path):
     """A ``waltz dev`` cluster of this test's own: fires with (connect string, run-dir args); stopped afterwards."""
     port = free_port()
-    args = ["--run-dir", str(tmp_path / "dev"), "--zookeeper-port", str(port)]
-    up = waltz("dev", "up", *args, timeout=180)
-    assert up.returncode == 0, up.stderr
-    yield "127.0.0.1:%d" % port, args
-    waltz("dev", "down", *args, timeout=120)
+    run_dir = tmp_path / "dev"
+    args = ["--run-dir", str(run_dir), "--zookeeper-port", str(port)]
+    try:
+        up = waltz("dev", "up", *args, timeout=180)
+        assert up.returncode == 0, up.stderr
+        yield "127.0.0.1:%d" % port, args
+    finally:
+        stop_dev_cluster(run_dir, args)
+
+
+def stop_dev_cluster(run_dir, args):
+    """``waltz dev down``, then, whatever it did (a ``dev up`` that failed half-way, a ``down`` that failed
+    or timed out), every process recorded under ``run_dir``, by pid."""
+    try:
+        waltz("dev", "down", *args, timeout=120)
+    finally:
+        stop_recorded_processes(str(run_dir))
 
 
 @pytest.fixture

@@ -6,10 +6,12 @@ import threading
 
 import pytest
 import pytest_twisted
-from twisted.internet import reactor
+from twisted.internet import defer, reactor
 
+from tests.cli.conftest import stop_dev_cluster
+from tests.conftest import zk_client_for
 from tests.cli.helpers import refused, waltz
-from waltz.local.daemons import free_port
+from waltz.local.zookeeper import free_port
 from waltz.local.devcluster import DevCluster
 
 
@@ -17,8 +19,10 @@ from waltz.local.devcluster import DevCluster
 def dev(tmp_path):
     """Arguments for a dev cluster of this test's own; whatever it started is stopped afterwards."""
     args = ["--run-dir", str(tmp_path / "dev"), "--zookeeper-port", str(free_port())]
-    yield args
-    waltz("dev", "down", *args, timeout=120)
+    try:
+        yield args
+    finally:
+        stop_dev_cluster(tmp_path / "dev", args)
 
 
 def pids_of(run_dir):
@@ -93,17 +97,34 @@ class _Recorder:
 
 
 @pytest_twisted.ensureDeferred
-async def test_up_reads_files_and_processes_off_the_reactor_thread(zookeeper, cluster_root, tmp_path):
-    calls = []
+async def test_up_reads_files_and_processes_off_the_reactor_thread_and_registers_a_running_storage(
+        zookeeper, cluster_root, tmp_path, monkeypatch):
+    # storage-0 runs but is not in ZooKeeper's topology (a dev up that failed between starting and
+    # registering it): up registers it and pushes its partitions, which it used to do only for a storage
+    # it started for the first time, leaving the cluster a replica short for good.
+    from waltz.local import devcluster
+    from waltz.zk.metadata import ClusterMetadata
+    calls, pushed = [], []
+    monkeypatch.setattr(devcluster, "push_assignment",
+                        lambda reactor, *args: pushed.append(args[:3]) or defer.succeed(None))
     cluster = DevCluster(tmp_path / "dev", root=cluster_root, num_partitions=2, num_storages=1, num_servers=1)
     cluster.zookeeper = _Recorder(calls, "zookeeper", connect_string=zookeeper.connect_string)
 
     def daemon(kind, index):
         calls.append(("daemon(%s, %d)" % (kind, index), threading.current_thread()))
-        return _Recorder(calls, "%s-%d" % (kind, index), http_port=1)
+        return _Recorder(calls, "%s-%d" % (kind, index), http_port=1,
+                         config={"storage.port": 40001, "storage.admin.port": 40002})
     cluster.daemon = daemon
     lines = []
     await cluster.up(reactor, report=lines.append)
+    assert pushed == [("127.0.0.1:40001", 40002, [0, 1])]
+    client = zk_client_for(zookeeper)
+    await client.connect()
+    try:
+        topology = (await ClusterMetadata(client, cluster_root).topology()).value
+    finally:
+        await client.close()
+    assert topology.partitions_of("127.0.0.1:40001") == (0, 1)
     assert lines == ["zookeeper   running on %s (pid 4711)" % zookeeper.connect_string,
                      "cluster     created at %s with 2 partitions" % cluster_root,
                      "storage-0   running (pid 4711)",

@@ -392,8 +392,8 @@ class _Owner:
         pass
 
 
-@pytest_twisted.inlineCallbacks
-def test_both_ends_of_a_client_connection_turn_nagle_off():
+@pytest_twisted.ensureDeferred
+async def test_both_ends_of_a_client_connection_turn_nagle_off():
     """TCP_NODELAY on the server's and the client's socket (the original sets it on every channel):
     with Nagle on, small feed and append frames waited for delayed ACKs, adding tens of ms."""
     from twisted.internet import endpoints, reactor
@@ -401,7 +401,7 @@ def test_both_ends_of_a_client_connection_turn_nagle_off():
     from waltz.client.network import ClientProtocol
 
     server_factory = ServerFactory(DummyRegistry())
-    port = yield endpoints.TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(server_factory)
+    port = await endpoints.TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(server_factory)
     owner = _Owner()
 
     class ClientFactory(Factory):
@@ -412,9 +412,9 @@ def test_both_ends_of_a_client_connection_turn_nagle_off():
 
     client = None
     try:
-        client = yield endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port).connect(
+        client = await endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port).connect(
             ClientFactory())
-        yield owner.ready
+        await owner.ready
         server = next(iter(server_factory.connections))
         for proto in (client, server):
             sock = proto.transport.getHandle()
@@ -423,7 +423,7 @@ def test_both_ends_of_a_client_connection_turn_nagle_off():
         if client is not None:
             client.transport.loseConnection()
         server_factory.close_connections()
-        yield port.stopListening()
+        await port.stopListening()
 
 
 def test_a_transport_without_tcp_options_is_fine():

@@ -17,17 +17,13 @@ import urllib.request
 
 import yaml
 
+from waltz.local.zookeeper import free_ports
+
 
 class DaemonError(Exception):
     """A daemon did not start, or died; the message carries the tail of its log."""
 
 
-def free_port(host="127.0.0.1"):
-    """A TCP port that is free on ``host`` right now."""
-    import socket
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def log_tail(path, lines=30):
@@ -176,13 +172,14 @@ class LocalDaemon:
 
 def storage_config(run_dir, zookeeper, root, host="127.0.0.1", **overrides):
     """A storage config on free loopback ports with its directory under ``run_dir``."""
+    port, admin_port, http_port = free_ports(3, host)
     config = {
         "zookeeper.connectString": zookeeper,
         "cluster.root": root,
         "storage.bindAddress": host,
-        "storage.port": free_port(host),
-        "storage.admin.port": free_port(host),
-        "storage.http.port": free_port(host),
+        "storage.port": port,
+        "storage.admin.port": admin_port,
+        "storage.http.port": http_port,
         "storage.directory": os.path.join(os.path.abspath(run_dir), "data"),
     }
     config.update(overrides)
@@ -197,13 +194,14 @@ def local_storage(run_dir, zookeeper, root, **overrides):
 
 def server_config(zookeeper, root, host="127.0.0.1", **overrides):
     """A server config on free loopback ports, advertising ``host`` to clients."""
+    port, http_port = free_ports(2, host)
     config = {
         "zookeeper.connectString": zookeeper,
         "cluster.root": root,
         "server.bindAddress": host,
         "server.host": host,
-        "server.port": free_port(host),
-        "server.http.port": free_port(host),
+        "server.port": port,
+        "server.http.port": http_port,
     }
     config.update(overrides)
     return config

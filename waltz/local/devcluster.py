@@ -38,6 +38,14 @@ _HTTP_PORT_KEYS = {"storage": "storage.http.port", "server": "server.http.port"}
 _HWM_LINE = re.compile(r'^waltz_server_partition_high_water_mark\{partition="(\d+)"\} (-?\d+)', re.M)
 
 
+def _holding_every_partition(topology, storage, admin_port, group, partitions, num_partitions):
+    """``topology`` with ``storage`` in it (in ``group``) and holding ``partitions``."""
+    if storage not in topology.storages():
+        topology = topology.add_storage(storage, admin_port, group)
+    missing = sorted(set(partitions) - set(topology.partitions_of(storage)))
+    return topology.assign(storage, missing, num_partitions) if missing else topology
+
+
 class DevCluster:
     """A local cluster whose processes outlive the command that started them."""
 
@@ -141,15 +149,19 @@ class DevCluster:
 
     @defer.inlineCallbacks
     def _ensure_storage(self, reactor, metadata, params, index, report):
-        daemon, fresh = yield self._ensure_daemon("storage", index, lambda run_dir: local_storage(
+        """Run storage ``index`` and make sure ZooKeeper lists it holding every partition, and the node holds
+        them: decided from ZooKeeper, not from whether the node was started before (a ``dev up`` that
+        failed between starting it and registering it left it unregistered for good)."""
+        daemon, _ = yield self._ensure_daemon("storage", index, lambda run_dir: local_storage(
             run_dir, self.connect_string, self.root), report)
-        if fresh:
-            name = "127.0.0.1:%d" % daemon.config["storage.port"]
-            admin_port = daemon.config["storage.admin.port"]
-            partitions = list(range(params.num_partitions))
-            yield metadata.edit_topology(
-                lambda t, p: t.add_storage(name, admin_port, index).assign(name, partitions, p.num_partitions))
-            yield push_assignment(reactor, name, admin_port, partitions, params)
+        name = "127.0.0.1:%d" % daemon.config["storage.port"]
+        admin_port = daemon.config["storage.admin.port"]
+        partitions = list(range(params.num_partitions))
+        topology = (yield metadata.topology()).value
+        if name not in topology.storages() or set(topology.partitions_of(name)) != set(partitions):
+            yield metadata.edit_topology(lambda t, p: _holding_every_partition(t, name, admin_port, index, partitions,
+                                                                               p.num_partitions))
+        yield push_assignment(reactor, name, admin_port, partitions, params)
 
     @defer.inlineCallbacks
     def _ensure_daemon(self, kind, index, make, report):

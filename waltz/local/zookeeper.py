@@ -40,9 +40,23 @@ class ZooKeeperLaunchError(Exception):
 
 def free_port(host="127.0.0.1"):
     """A TCP port nobody listens on at ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count, host="127.0.0.1"):
+    """``count`` distinct TCP ports nobody listens on at ``host`` right now. Taken together (every socket
+    bound until all are chosen): one at a time, the kernel may hand the same port out twice, and a daemon
+    given it for two of its ports fails to start."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def port_in_use(host, port):
