@@ -49,13 +49,14 @@ fi
 
 # Reinstall only when the package metadata or the requested extras changed.
 stamp=".venv/.waltz-installed"
-want="$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)-$EXTRAS"
+want="$(cat setup.cfg pyproject.toml constraints.txt | sha256sum | cut -c1-16)-$EXTRAS"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "bootstrap: installing Waltz and its [$EXTRAS] extras into .venv (log: .venv/install.log)"
   if ! {
-    .venv/bin/python -m pip install --disable-pip-version-check --upgrade pip setuptools wheel &&
+    # The tested versions (constraints.txt), not whatever was released since.
+    .venv/bin/python -m pip install --disable-pip-version-check -c constraints.txt --upgrade pip setuptools wheel &&
     # compat mode: the flat twisted/plugins layout stays visible to twistd (see docs/operations.md).
-    .venv/bin/python -m pip install --disable-pip-version-check -e ".[$EXTRAS]" \
+    .venv/bin/python -m pip install --disable-pip-version-check -c constraints.txt -e ".[$EXTRAS]" \
         --config-settings editable_mode=compat
   } > .venv/install.log 2>&1; then
     tail -n 30 .venv/install.log >&2
