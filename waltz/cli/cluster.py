@@ -29,15 +29,14 @@ from waltz.zk.topology import format_ids
 from waltz.zk.znodes import UNRESOLVED
 
 #: Keys a ``-c`` file may hold besides the ZooKeeper ones, so a daemon's config file works too.
-def _daemon_and_client_keys():
-    """The keys a ``-c`` file may hold besides the ZooKeeper ones: it is often a daemon's or a client's
-    config file (any other key, a misspelling such as ``cluster.rooot``, is refused)."""
+def _daemon_and_client_key_names():
+    """The names of the keys a ``-c`` file may hold besides the ZooKeeper ones: it is often a daemon's or a
+    client's config file (any other key, a misspelling such as ``cluster.rooot``, is refused)."""
     from waltz.client.config import CLIENT_KEYS
     from waltz.server.config import SERVER_KEYS
     from waltz.storage.config import STORAGE_KEYS
-    names = {key.name for key in ZOOKEEPER_KEYS}
-    return tuple({key.name: key for key in SERVER_KEYS + STORAGE_KEYS + CLIENT_KEYS
-                  if key.name not in names}.values())
+    return frozenset(key.name for key in SERVER_KEYS + STORAGE_KEYS + CLIENT_KEYS) - {
+        key.name for key in ZOOKEEPER_KEYS}
 
 _FLAG_KEYS = (
     ("zookeeper", "zookeeper.connectString"),
@@ -63,7 +62,7 @@ def add_connection_options(parser):
 def connection_config(args):
     """The validated ZooKeeper :class:`~waltz.config.Config` from ``-c`` and the flags."""
     values = flatten(read_yaml(args.config)) if args.config else {}
-    others = {key.name for key in _daemon_and_client_keys()}
+    others = _daemon_and_client_key_names()
     known = others | {key.name for key in ZOOKEEPER_KEYS}
     for name in sorted(values):
         if name not in known:
