@@ -70,15 +70,32 @@ class ChecksumTolerantCodec:
     def encode(self, message, version):
         return self._codec.encode(message, version)
 
+    def encoder(self, version):
+        return self._codec.encoder(version)
+
+    def decoder(self, version):
+        decode = self._codec.decoder(version)
+
+        def decode_tolerating_checksums(payload):
+            try:
+                return decode(payload)
+            except ChecksumError as exc:
+                return self._checksum_mismatch(payload, exc)
+        return decode_tolerating_checksums
+
     def decode(self, payload, version):
         try:
             return self._codec.decode(payload, version)
         except ChecksumError as exc:
-            if not payload or payload[0] != TransactionDataResponse.TYPE:
-                raise
-            reader = Reader(payload)
-            reader.u8("message type")
-            return DataChecksumMismatch(ReqId.decode(reader), reader.i64("transactionId"), str(exc))
+            return self._checksum_mismatch(payload, exc)
+
+    @staticmethod
+    def _checksum_mismatch(payload, exc):
+        if not payload or payload[0] != TransactionDataResponse.TYPE:
+            raise exc
+        reader = Reader(payload)
+        reader.u8("message type")
+        return DataChecksumMismatch(ReqId.decode(reader), reader.i64("transactionId"), str(exc))
 
 
 CLIENT_SIDE_CODEC = ChecksumTolerantCodec()

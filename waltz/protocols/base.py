@@ -122,6 +122,7 @@ class WaltzProtocol(Protocol):
         self._wrote = False         # since the last liveness tick
         self._received = False      # since the last liveness tick
         self._last_heard = None     # clock time of the last tick that found something received
+        self._encode = self._decode = None   # the codec's functions for the negotiated version
         self.writable = True
 
     # -- connection life cycle -------------------------------------------------
@@ -202,8 +203,8 @@ class WaltzProtocol(Protocol):
         if self.version is None:
             self._outbox.append(message)
             return
-        payload = self.codec.encode(message, self.version)
-        self.transport.writeSequence((encode_frame_header(self.codec.magic, self.version, len(payload)), payload))
+        payload = self._encode(message)
+        self.transport.writeSequence((HEADER.pack(self.codec.magic, self.version, len(payload)), payload))
         self._wrote = True
 
     def sendPayloads(self, payloads):
@@ -216,9 +217,9 @@ class WaltzProtocol(Protocol):
             return
         if self.version is None:
             raise RuntimeError("sendPayloads before the handshake completed")
-        magic, version, parts = self.codec.magic, self.version, []
+        magic, version, pack, parts = self.codec.magic, self.version, HEADER.pack, []
         for payload in payloads:
-            parts.append(encode_frame_header(magic, version, len(payload)))
+            parts.append(pack(magic, version, len(payload)))
             parts.append(payload)
         self.transport.write(b"".join(parts))
         self._wrote = True
@@ -310,7 +311,7 @@ class WaltzProtocol(Protocol):
         """
         buffer, unpack = self._buffer, HEADER.unpack_from
         magic, version, limit = self.codec.magic, self.version, self.max_frame_size
-        decode = self.codec.decode
+        decode, received = self._decode, self.messageReceived
         while not self.closed and not self._read_pauses:
             start = self._offset
             if len(buffer) - start < HEADER_SIZE:
@@ -323,7 +324,11 @@ class WaltzProtocol(Protocol):
                 return False
             self._offset = end
             if length:  # an empty payload is a keep-alive
-                self._deliver(decode(bytes(buffer[start + HEADER_SIZE:end]), version))
+                # (_deliver, inlined: this runs for every message of every connection)
+                result = received(decode(bytes(buffer[start + HEADER_SIZE:end])))
+                if result is not None and result is not True and result is not False and \
+                        isinstance(result, defer.Deferred):
+                    self._handling(result)
         return False
 
     def _next_frame(self):
@@ -365,6 +370,7 @@ class WaltzProtocol(Protocol):
 
     def _handle_hello(self, hello):
         self.version = negotiate(self.codec.versions, hello.versions)
+        self._encode, self._decode = self._codec_functions(self.version)
         self.log.debug("connection from {peer} ({name}) speaks version {version}",
                        peer=self.peer, name=hello.name, version=self.version)
         outbox, self._outbox = self._outbox, []
@@ -372,13 +378,26 @@ class WaltzProtocol(Protocol):
             self.sendMessage(message)
         self.connectionReady()
 
+    def _codec_functions(self, version):
+        """``(encode(message), decode(payload))`` for ``version``: the codec's own per-version functions
+        when it has them (:meth:`~waltz.protocols.codec.MessageCodec.encoder`), else its generic methods."""
+        codec = self.codec
+        if hasattr(codec, "encoder") and hasattr(codec, "decoder"):
+            return codec.encoder(version), codec.decoder(version)
+        return (lambda message: codec.encode(message, version)), (lambda payload: codec.decode(payload, version))
+
     def _deliver(self, message):
         result = self.messageReceived(message)
         if is_deferred(result):
-            self._pending_inbound += 1
-            if self._pending_inbound >= self.inbound_high_watermark:
-                self._pause_reading("inbound")
-            result.addBoth(self._inbound_done)
+            self._handling(result)
+
+    def _handling(self, result):
+        """``messageReceived`` returned the Deferred ``result``: the message counts toward the inbound
+        back pressure until it fires."""
+        self._pending_inbound += 1
+        if self._pending_inbound >= self.inbound_high_watermark:
+            self._pause_reading("inbound")
+        result.addBoth(self._inbound_done)
 
     def _inbound_done(self, result):
         self._pending_inbound -= 1

@@ -564,6 +564,44 @@ class MessageCodec:
         spec.layout.write(w, message)
         return w.getvalue()
 
+    def encoder(self, version: int):
+        """``encode(message)`` for one negotiated ``version``: :meth:`encode` with the table look-ups done
+        once. A connection encodes every message it sends with the same version."""
+        if version not in self.versions:
+            raise ValueError("family %s has no version %r (supported: %s)" % (self.family, version, self.versions))
+        fast = {spec.cls: spec.fast_encode for spec in self._by_code.values()
+                if spec.fast_encode is not None and version >= spec.min_version}
+        generic = self.encode
+
+        def encode(message):
+            fast_encode = fast.get(type(message))
+            if fast_encode is not None:
+                try:
+                    return fast_encode(message)
+                except Exception:  # noqa: BLE001 - the generic path gives the result or the precise error
+                    pass
+            return generic(message, version)
+        return encode
+
+    def decoder(self, version: int):
+        """``decode(payload)`` for one negotiated ``version``: :meth:`decode` with the table look-ups
+        done once (a connection decodes every frame it receives with the same version)."""
+        if version not in self.versions:
+            raise ValueError("family %s has no version %r (supported: %s)" % (self.family, version, self.versions))
+        fast = {code: spec.fast_decode for code, spec in self._by_code.items()
+                if spec.fast_decode is not None and version >= spec.min_version}
+        generic = self.decode
+
+        def decode(payload):
+            fast_decode = fast.get(payload[0]) if payload else None
+            if fast_decode is not None:
+                try:
+                    return fast_decode(payload)
+                except Exception:  # noqa: BLE001 - the generic path gives the result or the precise error
+                    pass
+            return generic(payload, version)
+        return decode
+
     def decode(self, payload, version: int):
         """The message in ``payload`` (bytes or memoryview); raises only ProtocolError subclasses."""
         try:
