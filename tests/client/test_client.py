@@ -1159,3 +1159,44 @@ def test_a_slow_application_pauses_reading_the_stream_connection(harness):
         callbacks.release()
         harness.settle()
     assert not stream.reading_paused and callbacks.applied_ids(0) == list(range(700))
+
+
+class DroppingContext(RecordingContext):
+    """On completion, the application drops the transaction's partition (``client.set_partitions([])``)."""
+
+    def __init__(self, client):
+        super().__init__()
+        self.client = client
+
+    def on_completion(self, result):
+        super().on_completion(result)
+        self.client.set_partitions([])
+
+
+def test_a_partition_dropped_by_a_completion_hook_applies_that_transaction_but_does_not_count_it(harness):
+    # The completion hook runs before the transaction is applied; dropping the partition there drops the
+    # feed: the transaction is still handed to apply_transaction (as any item being applied when its feed
+    # is dropped), but the client does not count it as applied, and the partition becomes inactive.
+    client = harness.client(**{"client.autoMount": False})
+    client.set_partitions([0])
+    harness.settle()
+    context = DroppingContext(client)
+    result = client.execute(context)
+    harness.settle()
+    assert result.called and result.result.committed
+    assert client.callbacks.applied_ids(0) == [0]
+    assert client.partition_state(0) is PartitionState.INACTIVE
+    assert client.client_high_water_mark(0) == -1
+
+
+def test_an_own_transaction_whose_apply_fails_is_retried_and_then_applied_once(harness):
+    client = harness.client()
+    client.callbacks.fail_next = 1
+    context = RecordingContext()
+    result = client.execute(context)
+    harness.settle()
+    assert result.result.committed and context.events == ["execute", ("completion", True)]
+    harness.settle(60)
+    assert client.callbacks.applied_ids(0) == [0]
+    assert context.events == ["execute", ("completion", True), "application"]
+    assert client.client_high_water_mark(0) == 0

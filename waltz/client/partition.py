@@ -146,6 +146,7 @@ class ClientPartition:
         self._retrying = deque()
         self._pumping = False
         self._feed = deque()
+        self._feed_epoch = 0            # counts _drop_feed calls
         self._applying = False
         self._apply_in_flight = False   # an apply_transaction Deferred has not fired yet
         self._activate_after_apply = False  # an activation (after CLIENT_AHEAD) waits for that Deferred
@@ -361,49 +362,57 @@ class ClientPartition:
                          pid=self.partition_id, hwm=self.received_hwm, txn=txn)
             return None
         self.received_hwm = txn
-        req_id = message.req_id
-        if not self._feed and not self._draining and req_id.client_id != self.client_id:
-            return self._apply_at_once(req_id, txn, message.header)
-        item = _FeedItem(req_id, txn, message.header)
+        if not self._feed and not self._draining:
+            return self._apply_at_once(message.req_id, txn, message.header)
+        item = _FeedItem(message.req_id, txn, message.header)
         self._feed.append(item)
         self._drain()
         return item.when_finished()
 
     def _apply_at_once(self, req_id, txn, header):
-        """Another client's transaction arriving with nothing queued before it: applied here, without a
-        queue item, when ``apply_transaction`` returns at once (most of the feed of most clients); an
-        apply that fails or returns a Deferred becomes the head of the queue, as in :meth:`_drain`.
-
-        The steps are those of :meth:`_apply` and :meth:`_applied` for an item that is not this
-        client's (so no append to settle), without their bookkeeping: a quarter of a client's CPU
-        per feed item went to it.
+        """A transaction arriving with nothing queued before it (most of the feed): the steps of
+        :meth:`_apply` and :meth:`_applied` without a queue item, when ``apply_transaction`` returns at
+        once; an apply that fails or returns a Deferred becomes the head of the queue, as in :meth:`_drain`.
+        (The queue's bookkeeping was a quarter of a client's CPU per feed item.)
         """
+        submission = None
+        if req_id.client_id == self.client_id:
+            epoch = self._feed_epoch
+            submission = self._detect(req_id, txn)
+            if self._feed_epoch != epoch or self.state is PartitionState.CLOSED:
+                # The completion hooks dropped the feed (deactivated or closed the partition): as for a
+                # queued item dropped then, it is applied but not recorded as applied here.
+                self._apply(_FeedItem(req_id, txn, header, detected=True, submission=submission))
+                self._pump()
+                return None
         transaction = Transaction(self.partition_id, txn, header, req_id, self)
         try:
             result = self._callbacks.apply_transaction(transaction)
         except Exception:
             failure = Failure()
-            item = self._queued_at_head(req_id, txn, header)
+            item = self._queued_at_head(req_id, txn, header, submission)
             self._apply_failed(failure, item)
             return item.when_finished()
         if is_deferred(result):
-            item = self._queued_at_head(req_id, txn, header)
+            item = self._queued_at_head(req_id, txn, header, submission)
             self._apply_in_flight = True
             result.addCallbacks(self._applied, self._apply_failed, callbackArgs=(item,), errbackArgs=(item,))
             return item.when_finished()
         self._apply_failures = 0
         self.applied_hwm = txn
+        if submission is not None:
+            submission.applied()
         if self._gates:
             self._gates.release(txn)
         self._release_apply_waiters()
         self._finish_deactivation()
-        self._resume_activation()
-        self._pump()
+        if not self._resume_activation():
+            self._pump()
         return None
 
-    def _queued_at_head(self, req_id, txn, header):
+    def _queued_at_head(self, req_id, txn, header, submission):
         """The feed item of a transaction :meth:`_apply_at_once` could not finish: the one being applied."""
-        item = _FeedItem(req_id, txn, header, detected=True)
+        item = _FeedItem(req_id, txn, header, detected=True, submission=submission)
         self._feed.append(item)
         self._applying = True
         return item
@@ -464,16 +473,22 @@ class ClientPartition:
             self._draining = False
         self._pump()
 
+    def _detect(self, req_id, txn):
+        """This client's transaction ``txn`` reached the feed: its append is settled as committed, and the
+        older appends still pending failed (seed 004). Its submission, or None."""
+        submission, failed = self.monitor.committed(req_id)
+        for other in failed:
+            self._attempt_failed(other)
+        if submission is not None:
+            submission.committed(txn)
+        return submission
+
     def _apply(self, item):
         if not item.detected:
             item.detected = True
             # Most of the feed is other clients' transactions: only this client's can settle an append.
             if item.req_id.client_id == self.client_id:
-                item.submission, failed = self.monitor.committed(item.req_id)
-                for submission in failed:
-                    self._attempt_failed(submission)
-                if item.submission is not None:
-                    item.submission.committed(item.transaction_id)
+                item.submission = self._detect(item.req_id, item.transaction_id)
         transaction = Transaction(self.partition_id, item.transaction_id, item.header, item.req_id, self)
         # Called directly rather than through maybeDeferred: the usual apply is synchronous, and
         # two Deferreds per item per client were a large share of the client's CPU per transaction.
@@ -550,6 +565,7 @@ class ClientPartition:
 
     def _drop_feed(self):
         """Forget feed items not applied yet (the partition stops being applied)."""
+        self._feed_epoch += 1
         for event in self._feed:
             if isinstance(event, _FeedItem):
                 event.finish()
