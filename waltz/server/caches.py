@@ -116,14 +116,21 @@ class FeedCache:
 
     def add(self, partition_id: int, header):
         """Keep one committed ``RecordHeader`` of ``partition_id``."""
-        index, offset = divmod(header.transaction_id, self.BLOCK_SIZE)
+        self._put(partition_id, header.transaction_id, feed_payload(header))
+
+    def add_committed(self, partition_id: int, transaction_id: int, req_id, header: int):
+        """Keep the header of a transaction just committed (what :meth:`add` keeps, without a ``RecordHeader``)."""
+        self._put(partition_id, transaction_id, _encode_feed_data(FeedData(req_id, transaction_id, header)))
+
+    def _put(self, partition_id, transaction_id, payload):
+        index, offset = divmod(transaction_id, self.BLOCK_SIZE)
         key = (partition_id, index)
         block = self._blocks.peek(key)
         if block is None:
             block = [None] * self.BLOCK_SIZE
             if not self._blocks.store(key, block, self.BLOCK_SIZE * HEADER_BYTES):
                 return
-        block[offset] = feed_payload(header)
+        block[offset] = payload
 
     def add_all(self, partition_id: int, headers):
         for header in headers:
@@ -159,6 +166,7 @@ class FeedCache:
 #: The ``L`` version feed payloads are encoded with. A message's encoding is the same in every
 #: version that carries it (versions only add message types), and ``FeedData`` is in all of them.
 FEED_PAYLOAD_VERSION = CLIENT_CODEC.versions[0]
+_encode_feed_data = CLIENT_CODEC.encoder(FEED_PAYLOAD_VERSION)
 
 
 def feed_payload(header) -> bytes:
@@ -167,8 +175,7 @@ def feed_payload(header) -> bytes:
     A committed transaction goes to every mounted client: encoding it once, here, instead of
     once per client is most of what the feed costs per transaction.
     """
-    return CLIENT_CODEC.encode(FeedData(header.req_id, header.transaction_id, header.header),
-                               FEED_PAYLOAD_VERSION)
+    return _encode_feed_data(FeedData(header.req_id, header.transaction_id, header.header))
 
 
 class CachedData(collections.namedtuple("CachedData", "data checksum")):

@@ -62,10 +62,9 @@ from waltz.protocols.client_messages import (
     HighWaterMarkResponse, LockFailure, MountRequest, MountResponse, MountState, TransactionDataBatchRequest,
     TransactionDataBatchResponse, TransactionDataRequest, TransactionDataResponse, not_served_error)
 from waltz.protocols.errors import ProtocolError
-from waltz.protocols.values import RecordHeader
 from waltz.server.caches import HEADER_BYTES, FeedCache, TransactionDataCache
 from waltz.server.feed import FeedContext, FeedScheduler
-from waltz.server.locks import LockOutcome, LockRequest, LockTable
+from waltz.server.locks import LockOutcome, LockTable
 from waltz.server.store.partition import AppendFailed, AppendFateUnknown, PartitionNotOwned
 
 
@@ -204,8 +203,7 @@ class MountedClient:
 @attr.s(slots=True, eq=False)
 class _QueuedAppend:
     connection = attr.ib()
-    request = attr.ib()
-    lock_request = attr.ib()
+    request = attr.ib()             # the AppendRequest, which is also its lock request (the lock table's)
     received_at = attr.ib()
     released = attr.ib(default=None)   # back-pressure Deferred, created only if the append had to wait
     dequeued = attr.ib(default=False)
@@ -678,7 +676,7 @@ class ServerPartition:
             self.log.info("partition {pid}: append {req_id} dropped ({reason})", pid=self.partition_id,
                           req_id=request.req_id, reason=drop.value)
             return None
-        item = _QueuedAppend(connection, request, LockRequest.of(request), self.reactor.seconds())
+        item = _QueuedAppend(connection, request, self.reactor.seconds())
         self._queue.append(item)
         self._run_append_task()
         if item.dequeued:
@@ -745,7 +743,7 @@ class ServerPartition:
     def _process_append(self, item):
         if self._in_flight >= self.settings.max_pending_appends:
             return AppendTaskState.WAITING_FOR_CAPACITY
-        check = self.locks.check(item.lock_request, item.request.client_hwm)
+        check = self.locks.check(item.request, item.request.client_hwm)
         if check.outcome is LockOutcome.IN_FLIGHT:
             return AppendTaskState.WAITING_FOR_LOCKS
         self._queue.popleft()
@@ -772,10 +770,13 @@ class ServerPartition:
         item.connection.sendMessage(LockFailure(item.request.req_id, estimate))
 
     def _send_to_store(self, item):
-        held = self.locks.begin(item.lock_request)
-        self._in_flight += 1
         request = item.request
-        d = defer.maybeDeferred(self.store.append, request.req_id, request.header, request.data, request.checksum)
+        held = self.locks.begin(request)
+        self._in_flight += 1
+        try:
+            d = self.store.append(request.req_id, request.header, request.data, request.checksum)
+        except Exception:
+            d = defer.fail()
         d.addCallbacks(self._committed, self._store_failed, callbackArgs=(item, held), errbackArgs=(item, held))
         d.addErrback(self._unexpected)
 
@@ -796,7 +797,7 @@ class ServerPartition:
                                                                  pid=self.partition_id))
             return
         request = item.request
-        self.feed_cache.add(self.partition_id, RecordHeader(transaction_id, request.req_id, request.header))
+        self.feed_cache.add_committed(self.partition_id, transaction_id, request.req_id, request.header)
         self.data_cache.put(self.partition_id, transaction_id, request.data, request.checksum)
         self.metrics.committed.inc(1, self.partition_id)
         self.metrics.append_seconds.observe(self.reactor.seconds() - item.received_at, self.partition_id)
