@@ -588,7 +588,15 @@ class ClientPartition:
         if error is not None:
             submission.failed(error)
             return
-        self._waiting.append(submission)
+        if not self._pumping and not self._waiting and not self._retrying and self._can_start():
+            # What _pump would do, without queueing it first (executions it starts meanwhile queue).
+            self._pumping = True
+            try:
+                self._attempt(submission)
+            finally:
+                self._pumping = False
+        else:
+            self._waiting.append(submission)
         self._pump()
         if not submission.attempts and not submission.done:
             # Still waiting for room: expire it in time. (One attempted at once needs no timer: the
