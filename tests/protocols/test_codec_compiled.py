@@ -70,6 +70,14 @@ def outcome(codec, payload, version):
         return type(exc), str(exc)
 
 
+def outcome_of(decode, payload):
+    """What one of a connection's decode functions (``codec.decoder(version)``) makes of ``payload``."""
+    try:
+        return decode(payload)
+    except (DecodeError, ChecksumError) as exc:
+        return type(exc), str(exc)
+
+
 def test_the_hot_messages_are_compiled():
     for cls in (L.AppendRequest, L.FeedData, L.MountRequest, S.AppendRequest, S.SuccessResponse,
                 S.RecordListResponse):
@@ -82,19 +90,36 @@ def test_compiled_and_generic_agree(codec, spec):
     rng = random.Random(spec.code)
     plain = generic(codec)
     version = codec.versions[-1]
+    encode, decode = codec.encoder(version), codec.decoder(version)     # a connection's functions
     for _ in range(30):
         message = random_message(rng, spec)
         payload = plain.encode(message, version)
         assert spec.fast_encode(message) == payload  # the shortcut itself handles valid messages
         assert spec.fast_decode(payload) == message
-        assert codec.encode(message, version) == payload
-        assert codec.decode(payload, version) == message == plain.decode(payload, version)
+        assert codec.encode(message, version) == payload == encode(message)
+        assert codec.decode(payload, version) == message == plain.decode(payload, version) == decode(payload)
         variants = [payload[:cut] for cut in range(1, len(payload))] + [payload + b"\x00", payload + b"\x01\x02"]
         for _ in range(20):
             at = rng.randrange(1, len(payload)) if len(payload) > 1 else 0
             variants.append(payload[:at] + bytes([rng.randrange(256)]) + payload[at + 1:])
         for variant in variants:
-            assert outcome(codec, variant, version) == outcome(plain, variant, version), variant.hex()
+            expected = outcome(plain, variant, version)
+            assert outcome(codec, variant, version) == expected == outcome_of(decode, variant), variant.hex()
+
+
+def test_a_connections_functions_refuse_what_its_version_does_not_carry():
+    # Version 3 of family L has no batched data request (version 5): the encoder refuses to send one and
+    # the decoder refuses one received, as the codec's generic methods do for that version.
+    request = L.TransactionDataBatchRequest(RID, (1, 2))
+    payload = L.CLIENT_CODEC.encode(request, 5)
+    encode, decode = L.CLIENT_CODEC.encoder(3), L.CLIENT_CODEC.decoder(3)
+    with pytest.raises(ValueError, match="needs L version 5"):
+        encode(request)
+    assert outcome_of(decode, payload) == outcome(L.CLIENT_CODEC, payload, 3)
+    assert outcome_of(decode, payload)[0].__name__ == "UnknownMessageType"
+    assert L.CLIENT_CODEC.decoder(5)(payload) == request
+    with pytest.raises(ValueError, match="no version 9"):
+        L.CLIENT_CODEC.decoder(9)
 
 
 def test_a_value_out_of_range_names_its_field():

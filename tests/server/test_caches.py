@@ -119,3 +119,14 @@ def test_cached_entries_cost_the_garbage_collector_nothing():
     cached = data.get(3, 5)
     assert cached == CachedData(b"payload 5", 1234572)
     assert (cached.data, cached.checksum) == (b"payload 5", 1234572)
+
+
+def test_a_transaction_committed_here_is_cached_as_the_same_payload_as_its_header_read_from_storage():
+    # The append path caches the committed transaction from its request's fields, without a RecordHeader;
+    # a catch-up read caches RecordHeaders. A client must get the same FeedData either way.
+    committed, read = FeedCache(), FeedCache()
+    rid = ReqId(3, 2, 5, 77)
+    committed.add_committed(5, 130, rid, -9)
+    read.add(5, RecordHeader(130, rid, -9))
+    assert committed.get_run(5, 130, 1) == read.get_run(5, 130, 1) == [feed_payload(RecordHeader(130, rid, -9))]
+    assert committed.get(5, 130) == FeedData(rid, 130, -9)

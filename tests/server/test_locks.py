@@ -300,3 +300,21 @@ def test_no_false_negatives_over_random_lock_sets(table_size):
         run_pipeline(table_size, steps)
 
     run()
+
+
+def test_the_server_checks_an_append_request_itself_as_its_lock_request():
+    # The server partition hands the decoded AppendRequest to the table (no LockRequest per append): the
+    # table reads only its three lock tuples, and decides exactly as for the LockRequest of the same locks.
+    by_request, by_locks = LockTable(64), LockTable(64)
+    writer = AppendRequest.create(ReqId(1, 1, 0, 1), -1, 0, b"w", write_locks=(11, 12), append_locks=(13,))
+    for table, request in ((by_request, writer), (by_locks, LockRequest.of(writer))):
+        table.commit(table.begin(request), 5)
+    reader = AppendRequest.create(ReqId(2, 1, 0, 1), 4, 0, b"r", read_locks=(12,), write_locks=(20,))
+    assert by_request.check(reader, 4) == by_locks.check(LockRequest.of(reader), 4) == LockCheck(LockOutcome.FAILED, 5)
+    appender = AppendRequest.create(ReqId(3, 1, 0, 1), 4, 0, b"a", read_locks=(13,))
+    assert by_request.check(appender, 4) == LockCheck(LockOutcome.FAILED, 5)   # append locks raise their slots
+    held = by_request.begin(reader)
+    assert by_request.check(AppendRequest.create(ReqId(4, 1, 0, 1), 5, 0, b"x", write_locks=(20,)), 5).outcome \
+        is LockOutcome.IN_FLIGHT
+    by_request.release(held)
+    assert by_request.held == 0 and by_locks.held == 0

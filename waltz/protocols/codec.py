@@ -548,9 +548,7 @@ class MessageCodec:
 
     def encode(self, message, version: int) -> bytes:
         """The frame payload for ``message``: type u8, common header, body."""
-        if version not in self.versions:
-            raise ValueError("family %s has no version %r (supported: %s)"
-                             % (self.family, version, self.versions))
+        self._check_version(version)
         spec = self.spec_for(message)
         if version < spec.min_version:
             raise ValueError("%s (type %d) needs %s version %d or later, not %d"
@@ -564,11 +562,14 @@ class MessageCodec:
         spec.layout.write(w, message)
         return w.getvalue()
 
+    def _check_version(self, version):
+        if version not in self.versions:
+            raise ValueError("family %s has no version %r (supported: %s)" % (self.family, version, self.versions))
+
     def encoder(self, version: int):
         """``encode(message)`` for one negotiated ``version``: :meth:`encode` with the table look-ups done
         once. A connection encodes every message it sends with the same version."""
-        if version not in self.versions:
-            raise ValueError("family %s has no version %r (supported: %s)" % (self.family, version, self.versions))
+        self._check_version(version)
         fast = {spec.cls: spec.fast_encode for spec in self._by_code.values()
                 if spec.fast_encode is not None and version >= spec.min_version}
         generic = self.encode
@@ -586,8 +587,7 @@ class MessageCodec:
     def decoder(self, version: int):
         """``decode(payload)`` for one negotiated ``version``: :meth:`decode` with the table look-ups
         done once (a connection decodes every frame it receives with the same version)."""
-        if version not in self.versions:
-            raise ValueError("family %s has no version %r (supported: %s)" % (self.family, version, self.versions))
+        self._check_version(version)
         fast = {code: spec.fast_decode for code, spec in self._by_code.items()
                 if spec.fast_decode is not None and version >= spec.min_version}
         generic = self.decode
