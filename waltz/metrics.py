@@ -1,10 +1,12 @@
 """A small metrics registry with Prometheus text exposition and a JSON snapshot.
 
 Counters, gauges and histograms, each optionally labelled (e.g. per
-partition). Metrics are updated and read on the reactor thread only (the
-storage's disk threads report through the reactor, the HTTP endpoints run on
-it), so an update takes no lock: it is a dict update, cheap enough for paths
-that run several times per transaction.
+partition). Metrics are updated and read on the reactor thread only (a
+storage's disk threads report their work through the reactor, the HTTP and
+admin endpoints run on it), so an update takes no lock: it is a dict update,
+cheap enough for paths that run several times per transaction. Code running
+on another thread must not update a metric; it hands the figures to the
+reactor (``callFromThread``, or a Deferred that fires there).
 """
 
 import bisect

@@ -1200,3 +1200,59 @@ def test_an_own_transaction_whose_apply_fails_is_retried_and_then_applied_once(h
     assert client.callbacks.applied_ids(0) == [0]
     assert context.events == ["execute", ("completion", True), "application"]
     assert client.client_high_water_mark(0) == 0
+
+
+class DroppingCallbacks(RecordingCallbacks):
+    """The application drops the partition (``client.set_partitions([])``) from inside apply_transaction, once,
+    then raises or returns what ``outcome`` says: ``"raise"``, ``"hold"`` (a pending Deferred) or ``"return"``."""
+
+    def __init__(self, outcome):
+        super().__init__()
+        self.outcome = outcome
+        self.client = None
+        self.calls = []
+
+    def apply_transaction(self, transaction):
+        self.calls.append(transaction.transaction_id)
+        if len(self.calls) == 1:
+            self.client.set_partitions([])
+            if self.outcome == "raise":
+                raise RuntimeError("apply failed after dropping its partition")
+            if self.outcome == "hold":
+                self.hold = True
+        return super().apply_transaction(transaction)
+
+
+@pytest.mark.parametrize("outcome", ["raise", "hold", "return"])
+def test_an_apply_that_drops_its_partition_is_not_retried_nor_counted_and_the_partition_comes_back_clean(
+        harness, outcome):
+    callbacks = DroppingCallbacks(outcome)
+    client = harness.client(callbacks, **{"client.autoMount": False})
+    callbacks.client = client
+    client.set_partitions([0])
+    harness.settle()
+    harness.commit(0)
+    harness.settle(600)                     # past any retry of the failed apply
+    callbacks.release()                      # a held apply ends now: its outcome is ignored
+    harness.settle()
+    assert client.partition_state(0) is PartitionState.INACTIVE
+    assert callbacks.calls == [0] and client.client_high_water_mark(0) == -1
+    callbacks.hold = False
+    client.set_partitions([0])               # mounted again from the application's own mark
+    harness.settle()
+    # An apply that raised recorded nothing: the application's mark sends transaction 0 again, once. One that
+    # returned (at once or later) recorded it: it is not delivered again.
+    assert callbacks.calls == ([0, 0] if outcome == "raise" else [0])
+    assert client.client_high_water_mark(0) == 0 and callbacks.high_water_marks[0] == 0
+
+
+def test_a_failed_apply_of_the_clients_own_transaction_lets_the_next_execution_start_at_once(harness):
+    client = harness.client(**{"client.maxConcurrentTransactions": 1})
+    first, second = RecordingContext(), RecordingContext()
+    client.execute(first)
+    client.execute(second)                   # waits for room
+    assert second.events == []
+    client.callbacks.fail_next = 1           # the apply of the first transaction fails (retried later)
+    harness.settle()                         # its feed item settles it: room for the second at once
+    assert first.events[:2] == ["execute", ("completion", True)]
+    assert second.events[:1] == ["execute"]

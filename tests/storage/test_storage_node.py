@@ -6,6 +6,7 @@ against the ``twistd waltz-storage`` daemon are in tests/integration.
 """
 
 import json
+import threading
 import os
 import uuid
 
@@ -441,3 +442,21 @@ async def test_a_log_left_unusable_by_a_truncation_is_reported_unhealthy(tmp_pat
         assert node.assigned_status() == ((0, False),)
     finally:
         await node.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_append_metrics_are_updated_on_the_reactor_thread_once_the_append_is_durable(harness, monkeypatch):
+    # Metrics take no lock (waltz.metrics): an update from a partition's disk thread could race the reactor
+    # reading them for /metrics. The append's figures are counted on the reactor, after its fdatasync.
+    threads, appended = [], harness.node.metrics.appended
+
+    def recording(partition_id, appended_records, *rest):
+        threads.append(threading.current_thread().name)
+        appended(partition_id, appended_records, *rest)
+    monkeypatch.setattr(harness.node.metrics, "appended", recording)
+    await assign(harness, 1)
+    s = await harness.connect()
+    await s.request(sm.AppendRequest(3, 0, 1, records(0, 5, partition=1), False))
+    assert threads == [threading.current_thread().name] and not threads[0].startswith("waltz-disk")
+    assert harness.node.metrics.records.value(1) == 5
+    assert harness.node.metrics.append_batch.count(1) == 1

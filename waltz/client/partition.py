@@ -371,51 +371,45 @@ class ClientPartition:
 
     def _apply_at_once(self, req_id, txn, header):
         """A transaction arriving with nothing queued before it (most of the feed): the steps of
-        :meth:`_apply` and :meth:`_applied` without a queue item, when ``apply_transaction`` returns at
-        once; an apply that fails or returns a Deferred becomes the head of the queue, as in :meth:`_drain`.
-        (The queue's bookkeeping was a quarter of a client's CPU per feed item.)
+        :meth:`_apply` and :meth:`_applied`, without a queue item, when ``apply_transaction`` returns at
+        once and nothing dropped the feed meanwhile. (The queue's bookkeeping was a fifth of a client's
+        CPU per feed item.) Otherwise (an apply that raised or returned a Deferred, or a hook or the apply
+        itself that deactivated or closed the partition) the item goes the queue's way, as if it had been
+        at the head of the queue all along.
         """
-        submission = None
-        if req_id.client_id == self.client_id:
-            epoch = self._feed_epoch
-            submission = self._detect(req_id, txn)
-            if self._feed_epoch != epoch or self.state is PartitionState.CLOSED:
-                # The completion hooks dropped the feed (deactivated or closed the partition): as for a
-                # queued item dropped then, it is applied but not recorded as applied here.
-                self._apply(_FeedItem(req_id, txn, header, detected=True, submission=submission))
-                self._pump()
-                return None
-        transaction = Transaction(self.partition_id, txn, header, req_id, self)
+        epoch = self._feed_epoch
+        submission = self._detect(req_id, txn) if req_id.client_id == self.client_id else None
+        # (Applied even when the completion hooks dropped the feed: so is a queued item being applied then.)
+        failure = None
         try:
-            result = self._callbacks.apply_transaction(transaction)
+            result = self._callbacks.apply_transaction(Transaction(self.partition_id, txn, header, req_id, self))
         except Exception:
             failure = Failure()
-            item = self._queued_at_head(req_id, txn, header, submission)
-            self._apply_failed(failure, item)
-            return item.when_finished()
-        if is_deferred(result):
-            item = self._queued_at_head(req_id, txn, header, submission)
-            self._apply_in_flight = True
-            result.addCallbacks(self._applied, self._apply_failed, callbackArgs=(item,), errbackArgs=(item,))
-            return item.when_finished()
-        self._apply_failures = 0
-        self.applied_hwm = txn
-        if submission is not None:
-            submission.applied()
-        if self._gates:
-            self._gates.release(txn)
-        self._release_apply_waiters()
-        self._finish_deactivation()
-        if not self._resume_activation():
-            self._pump()
-        return None
-
-    def _queued_at_head(self, req_id, txn, header, submission):
-        """The feed item of a transaction :meth:`_apply_at_once` could not finish: the one being applied."""
+        dropped = self._feed_epoch != epoch or self.state is PartitionState.CLOSED
+        if failure is None and not dropped and not is_deferred(result):
+            self._apply_failures = 0
+            self.applied_hwm = txn
+            if submission is not None:
+                submission.applied()
+            if self._gates:
+                self._gates.release(txn)
+            self._release_apply_waiters()
+            self._finish_deactivation()
+            if not self._resume_activation():
+                self._pump()
+            return None
         item = _FeedItem(req_id, txn, header, detected=True, submission=submission)
-        self._feed.append(item)
-        self._applying = True
-        return item
+        if dropped:
+            item.finish()       # as _drop_feed finishes the items it drops: the outcome is then ignored
+        else:
+            self._feed.append(item)
+            self._applying = True
+        if failure is not None:
+            self._apply_failed(failure, item)
+        else:
+            self._apply_returned(result, item)
+        self._pump()
+        return item.when_finished()
 
     def _on_feed_suspended(self, message):
         # Only the current mount's feed is asked to go on: a FEED_SUSPENDED of an earlier mount on this
@@ -497,6 +491,10 @@ class ClientPartition:
         except Exception:
             self._apply_failed(Failure(), item)
             return
+        self._apply_returned(result, item)
+
+    def _apply_returned(self, result, item):
+        """``apply_transaction`` returned ``result`` for ``item``: applied, or applying until it fires."""
         if is_deferred(result):
             self._apply_in_flight = True
             result.addCallbacks(self._applied, self._apply_failed, callbackArgs=(item,), errbackArgs=(item,))

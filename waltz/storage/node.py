@@ -63,7 +63,7 @@ class StorageMetrics:
                                                  "append request latency, arrival to durable reply",
                                                  ("partition",))
 
-    def appended(self, partition_id, records, started):
+    def appended(self, partition_id, records):
         self.records.inc(len(records), partition_id)
         self.bytes.inc(sum(len(r.data) for r in records), partition_id)
         self.append_batch.observe(len(records), partition_id)

@@ -18,7 +18,6 @@ Rules (the original's ``Partition.checkPermissions`` and ``receiveMessage``):
 """
 
 import enum
-import time
 
 import attr
 from twisted.internet import defer
@@ -134,7 +133,15 @@ class StoragePartition:
             return defer.fail(exc)
         method = getattr(self, operation.method)
         submit = self.worker.submit_write if operation.is_write else self.worker.submit
-        return submit(self._permitted, method, operation.access, message)
+        d = submit(self._permitted, method, operation.access, message)
+        if self._metrics is not None and type(message) is sm.AppendRequest:
+            d.addCallback(self._appended, message)
+        return d
+
+    def _appended(self, response, message):
+        """(reactor thread, where every metric is updated) Count an append once it is durable."""
+        self._metrics.appended(self.partition_id, message.records)
+        return response
 
     def _permitted(self, method, access, message):
         """(worker thread) Run ``method`` if the flags still permit it. They were checked on admission,
@@ -192,10 +199,7 @@ class StoragePartition:
         return self._reply(message, sm.MaxTransactionIdResponse, self.log.max_transaction_id)
 
     def _append(self, message):
-        started = time.monotonic()
         self.log.append(message.records)
-        if self._metrics is not None:
-            self._metrics.appended(self.partition_id, message.records, started)
         return self._reply(message, sm.SuccessResponse)
 
     def _record_header(self, message):
