@@ -2,6 +2,7 @@
 and the property that no conflicting transaction ever gets through."""
 
 import pathlib
+import random
 import re
 import struct
 
@@ -318,3 +319,13 @@ def test_the_server_checks_an_append_request_itself_as_its_lock_request():
         is LockOutcome.IN_FLIGHT
     by_request.release(held)
     assert by_request.held == 0 and by_locks.held == 0
+
+
+def test_the_estimate_reads_the_slots_lock_slots_names():
+    # _estimate computes the slots inline (lock_slots is the definition): both must agree for every hash, or
+    # commits would raise slots the checks never read.
+    rng = random.Random(5)
+    table = LockTable(997)
+    table._marks = [rng.randrange(-1, 10_000) for _ in range(997)]
+    for h in [rng.randint(-2 ** 31, 2 ** 31 - 1) for _ in range(2000)] + [0, -1, 2 ** 31 - 1, -2 ** 31]:
+        assert table.lock_estimate(h) == min(table._marks[s] for s in lock_slots(h, 997)), h

@@ -326,8 +326,7 @@ class WaltzProtocol(Protocol):
             if length:  # an empty payload is a keep-alive
                 # (_deliver, inlined: this runs for every message of every connection)
                 result = received(decode(bytes(buffer[start + HEADER_SIZE:end])))
-                if result is not None and result is not True and result is not False and \
-                        isinstance(result, defer.Deferred):
+                if is_deferred(result):
                     self._handling(result)
         return False
 
