@@ -23,6 +23,7 @@ import uuid
 import pytest
 import pytest_twisted
 from twisted.internet import defer
+from twisted.python.failure import Failure
 
 from waltz.local.zookeeper import LocalZooKeeper
 from waltz.zk.bridge import ZooKeeperClient
@@ -121,12 +122,18 @@ def _bounded_on_the_reactor(function, seconds):
     async def bounded(**kwargs):
         from twisted.internet import reactor
         running = defer.ensureDeferred(function(**kwargs))
-        running.addTimeout(seconds, reactor)
-        try:
-            return await running
-        except defer.TimeoutError:
-            raise TimeoutError("the test did not finish within %.0f s (cancelled on the reactor)" % seconds) from None
+        running.addTimeout(seconds, reactor, onTimeoutCancel=_test_timed_out)
+        return await running
     return bounded
+
+
+def _test_timed_out(result, seconds):
+    """Turns the cancellation of a test that ran out of time into a clear failure. Only the
+    cancellation is translated: a test's own ``defer.TimeoutError`` (a wait inside the test that
+    gave up) keeps its own traceback instead of being reported as the whole test running out."""
+    if isinstance(result, Failure) and result.check(defer.CancelledError):
+        raise TimeoutError("the test did not finish within %.0f s (cancelled on the reactor)" % seconds)
+    return result
 
 
 # --- Process exit ------------------------------------------------------------------------------

@@ -306,8 +306,12 @@ class ZooKeeperClient:
     # --- persistent watches --------------------------------------------------------------------
 
     def watch_data(self, path, callback):
-        """Call ``callback(data, stat)`` now and on every change of ``path`` (``(None, None)``
+        """Call ``callback(data, stat)`` now and after changes of ``path`` (``(None, None)``
         while it does not exist), on the reactor thread, until the handle is cancelled.
+
+        Each call carries the znode as read when the watch fired: changes in quick succession
+        may show only the latest (ZooKeeper's watches are one-shot and re-set by the read), so
+        callers treat a call as "the current state", never as one event per change.
 
         Fires with the :class:`WatchHandle` once the watch is set (after the first callback).
         """
@@ -323,8 +327,9 @@ class ZooKeeperClient:
         return self._blocking(self._kazoo.DataWatch, path, on_change).addCallback(lambda _: handle)
 
     def watch_children(self, path, callback):
-        """Call ``callback(children)`` now and on every change of ``path``'s children, on the
-        reactor thread, until the handle is cancelled.
+        """Call ``callback(children)`` now and after changes of ``path``'s children, on the
+        reactor thread, until the handle is cancelled. As with :meth:`watch_data`, a call carries
+        the current children; changes in quick succession may show only the latest.
 
         Fires with the :class:`WatchHandle` once the watch is set (after the first callback).
         """
