@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import pytest_twisted
+from twisted.internet import defer
 
 from tests.spark.conftest import in_thread
 from waltz.spark.jobs import ledger
@@ -55,8 +56,9 @@ async def test_the_ledger_job_rebuilds_balances_and_reports_mismatches(spark, st
     database = tmp_path / "bank.db"
     write_accounts(database, [(1, 77, 1), (2, 0, 1), (3, 5, 0), (4, 0, 1)])
 
-    for spark_submit in (False, True):
-        passed = await in_thread(run_job, cluster, database, spark_submit)
+    # Both ways of running the job at once: each starts its own JVM, most of its time (the suite's budget).
+    for passed in await defer.gatherResults([in_thread(run_job, cluster, database, spark_submit)
+                                             for spark_submit in (False, True)], consumeErrors=True):
         assert passed.returncode == 0, passed.stdout + passed.stderr
         assert "7 transactions, 3 accounts" in passed.stdout and "consistent (0 mismatches" in passed.stdout
 
