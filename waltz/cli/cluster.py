@@ -75,26 +75,51 @@ def connection_config(args):
     return build_config({k: v for k, v in values.items() if k not in others}, ZOOKEEPER_KEYS)
 
 
+#: How long an interrupted command's own clean-up (closing clients, stopping what it started) may take
+#: before the reactor stops anyway.
+INTERRUPT_CLEANUP_SECONDS = 30.0
+
+
 def run_reactor(function, *args):
     """Run ``function(reactor, *args)`` (returning a Deferred) under ``task.react`` and return
     its result here, or raise its exception here (so :mod:`waltz.cli.main` reports it). Twisted's
-    log is discarded meanwhile (written on stderr with ``WALTZ_DEBUG``)."""
+    log is discarded meanwhile (written on stderr with ``WALTZ_DEBUG``).
+
+    An interrupt (SIGINT, SIGTERM) cancels the Deferred and lets the command's clean-up (its
+    ``finally`` blocks) run on the reactor, for up to :data:`INTERRUPT_CLEANUP_SECONDS`, before
+    the reactor stops; then :class:`KeyboardInterrupt` is raised here."""
     _begin_twisted_log()
-    outcome = []
+    outcome, interrupted = [], []
 
     def body(reactor):
         d = defer.maybeDeferred(function, reactor, *args)
-        return d.addBoth(outcome.append)
+        d.addBoth(outcome.append)
+
+        def on_shutdown():
+            if outcome:
+                return None
+            interrupted.append(True)
+            return _cancelled_and_settled(d, reactor, INTERRUPT_CLEANUP_SECONDS)
+        reactor.addSystemEventTrigger("before", "shutdown", on_shutdown)
+        return d
 
     try:
         task.react(body)
     except SystemExit:
         pass
-    if not outcome:
+    if interrupted or not outcome:
         raise KeyboardInterrupt()
     if isinstance(outcome[0], Failure):
         outcome[0].raiseException()
     return outcome[0]
+
+
+def _cancelled_and_settled(d, reactor, seconds):
+    """Cancel ``d``; a Deferred that fires once ``d`` has (its clean-up done), or after ``seconds``."""
+    settled = defer.Deferred()
+    d.addBoth(lambda _: None if settled.called else settled.callback(None))
+    d.cancel()
+    return settled.addTimeout(seconds, reactor).addErrback(lambda _: None)
 
 
 def _begin_twisted_log():
@@ -134,8 +159,8 @@ def run_with_cluster(args, action):
     @defer.inlineCallbacks
     def session(reactor):
         zk = ZooKeeperClient.from_config(config, reactor=reactor)
-        yield zk.connect()
         try:
+            yield zk.connect()      # (inside: an interrupt cancelling the connect still closes)
             result = yield action(ClusterMetadata(zk, config["cluster.root"], reactor=reactor))
         finally:
             yield zk.close()

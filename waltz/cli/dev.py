@@ -74,8 +74,8 @@ def daemon_health(daemon):
 def cluster_status(reactor, cluster):
     """Partitions (server, generation, high-water mark) and replicas (max transaction id), as text."""
     zk = ZooKeeperClient(cluster.connect_string, reactor=reactor, connect_timeout_ms=5000)
-    yield zk.connect()
     try:
+        yield zk.connect()
         metadata = ClusterMetadata(zk, cluster.root, reactor)
         params = yield metadata.store_params()
         assignment = (yield metadata.partition_assignment()).value

@@ -113,8 +113,8 @@ class DevCluster:
         reactor."""
         report((yield threads.deferToThread(self._start_zookeeper)))
         zk = ZooKeeperClient(self.connect_string, reactor=reactor)
-        yield zk.connect()
         try:
+            yield zk.connect()
             metadata = ClusterMetadata(zk, self.root, reactor)
             params = yield self._ensure_cluster(metadata, report)
             for index in range(self.num_storages):

@@ -1,0 +1,52 @@
+"""An interrupted command (SIGINT, SIGTERM) runs its own clean-up on the reactor, then exits with status 130 and
+one line on stderr."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+SCRIPT = textwrap.dedent("""
+    import argparse
+    from twisted.internet import defer, task
+    from waltz.cli import main
+    from waltz.cli.cluster import run_reactor
+
+    @defer.inlineCallbacks
+    def command(reactor):
+        yield task.deferLater(reactor, 0, lambda: None)     # the reactor runs: its signal handlers are set
+        print("running", flush=True)
+        try:
+            yield defer.Deferred()      # until interrupted
+        finally:
+            yield task.deferLater(reactor, 0.3, lambda: None)   # a clean-up that needs the reactor
+            print("cleaned up", flush=True)
+
+    class Parser:
+        def parse_args(self, argv):
+            return argparse.Namespace(func=lambda args: run_reactor(command))
+
+    main.build_parser = Parser
+    main.main([])
+""")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_command_cleans_up_and_exits_130(signum):
+    process = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        assert process.stdout.readline() == "running\n"
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130
+    assert out == "cleaned up\n"
+    assert err == "waltz: interrupted\n"
