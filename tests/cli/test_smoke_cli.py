@@ -73,3 +73,10 @@ async def test_replicas_are_compared_off_the_reactor_thread(monkeypatch, tmp_pat
     assert report.anomalies == ["partition 1: replicas differ (record bytes {'s1': 3, 's2': 3, 's3': 7})"]
     assert len(opened_on) == 9
     assert threading.main_thread() not in opened_on    # the reactor runs on the main thread
+
+
+def test_every_kind_of_process_is_killed_within_the_first_four_faults():
+    cluster = SimpleNamespace(storages=["s0", "s1", "s2"], zookeeper="zk")
+    injector = local_smoke.FaultInjector(task.Clock(), cluster, ["v0", "v1"], SmokeSettings(), SmokeReport())
+    assert injector.cycle == [("storage-0", "s0"), ("server-0", "v0"), ("storage-1", "s1"), ("zookeeper", "zk"),
+                              ("storage-2", "s2"), ("server-1", "v1")]

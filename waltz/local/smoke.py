@@ -177,8 +177,10 @@ class FaultInjector:
     def __init__(self, reactor, cluster, servers, settings, report):
         self.reactor = reactor
         storages = [("storage-%d" % i, d) for i, d in enumerate(cluster.storages)]
-        others = [("server-%d" % i, d) for i, d in enumerate(servers)] + [("zookeeper", cluster.zookeeper)]
-        # Alternate storages with servers and ZooKeeper: storage-0, server-0, storage-1, server-1, ...
+        servers = [("server-%d" % i, d) for i, d in enumerate(servers)]
+        others = servers[:1] + [("zookeeper", cluster.zookeeper)] + servers[1:]
+        # Alternate storages with servers and ZooKeeper: storage-0, server-0, storage-1, zookeeper, storage-2,
+        # server-1: every kind of process is killed within the first four faults, even in a short run.
         self.cycle = [item for i in range(max(len(storages), len(others)))
                       for item in (storages[i:i + 1] + others[i:i + 1])]
         self.settings = settings
