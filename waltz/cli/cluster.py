@@ -107,7 +107,7 @@ def run_reactor(function, *args):
         task.react(body)
     except SystemExit:
         pass
-    if interrupted or not outcome:
+    if interrupted:
         raise KeyboardInterrupt()
     if isinstance(outcome[0], Failure):
         outcome[0].raiseException()

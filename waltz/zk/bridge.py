@@ -171,8 +171,12 @@ class ZooKeeperClient:
     def _start(self, timeout):
         """Kazoo's ``start``, except that a :meth:`close` meanwhile ends the wait at once."""
         connected = self._kazoo.start_async()
-        # Registered after kazoo's own exit hook (start_async registers it), so it runs first.
-        atexit.register(self._stop_at_exit)
+        # A session still open when the interpreter exits (a command interrupted before its clean-up, a
+        # script that never closed its client) is stopped first. Kazoo's own exit hook (registered by
+        # start_async, so it runs after this one) only joins its worker threads: one blocked in a request
+        # (a watch re-reading its znode) while ZooKeeper is unreachable would wait for ever. Stopping the
+        # session fails such requests.
+        atexit.register(self._stop_and_close)
         deadline = time.monotonic() + timeout
         while not connected.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
             if self._closing.is_set() or time.monotonic() >= deadline:
@@ -198,17 +202,9 @@ class ZooKeeperClient:
 
     def _stop_and_close(self):
         with self._stop_lock:
-            atexit.unregister(self._stop_at_exit)
+            atexit.unregister(self._stop_and_close)
             self._kazoo.stop()
             self._kazoo.close()
-
-    def _stop_at_exit(self):
-        """A session still open when the interpreter exits (a command interrupted before its clean-up,
-        a script that never closed its client) is stopped before kazoo's own exit hook runs. That hook
-        only joins kazoo's worker threads; one blocked in a request (a watch re-reading its znode)
-        while ZooKeeper is unreachable would wait for a connection that never comes, and the process
-        would never exit. Stopping the session first fails such requests."""
-        self._stop_and_close()
 
     def add_state_listener(self, listener):
         """Call ``listener(state)`` on the reactor thread at each :class:`SessionState` change."""
