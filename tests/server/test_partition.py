@@ -889,6 +889,45 @@ def test_data_reads_waiting_when_the_connection_closes_are_dropped():
     assert len(h.store.held) == MAX_DATA_READS_IN_FLIGHT       # the reads running end as they do
 
 
+class OutageStore(HeldReadStore):
+    """Reads are held (network) until ``outage`` is set; then they fail at once, as a store partition
+    without a session (or with no replica connected) fails them."""
+
+    outage = None
+
+    def get_record(self, transaction_id):
+        if self.outage is not None:
+            return defer.fail(self.outage)
+        return super().get_record(transaction_id)
+
+    def fail_held(self):
+        held, self.held = self.held, []
+        for d, _ in held:
+            d.errback(self.outage)
+
+
+@pytest.mark.parametrize("count", [300, 600])
+def test_data_reads_failing_at_once_in_an_outage_answer_every_waiting_request(count):
+    # Before: each read that failed at once admitted the next one from inside the admission loop, a few
+    # stack frames per waiting request: a few hundred waiting (two pipelining readers on one connection)
+    # raised RecursionError, failed requests (closing the connection), left some unanswered and leaked
+    # a running slot for good.
+    h = Harness(store=OutageStore(5))
+    rpc = DummyConnection("rpc")
+    waits = [h.partition.handle(rpc, TransactionDataRequest(rid(n), n % 5)) for n in range(count)]
+    assert len(h.store.held) == MAX_DATA_READS_IN_FLIGHT
+    h.store.outage = Exception("partition %d has no store session right now" % PID)
+    h.store.fail_held()
+    failed = []
+    for d in waits:
+        d.addErrback(lambda f: failed.append(f.type.__name__))
+    assert failed == []
+    answers = rpc.of(TransactionDataResponse)
+    assert len(answers) == count and not any(a.ok for a in answers)
+    assert all(d.called for d in waits)
+    assert rpc.data_reads.waiting == 0 and rpc.data_reads.running == 0
+
+
 def test_a_connection_flooding_flushes_or_mounts_is_closed_and_a_repeated_mount_waits_once(h):
     # Before: each FLUSH (distinct ReqId) or repeated mount added a waiter at the barrier, without limit and
     # outside the back pressure, while an append was stuck with the store.

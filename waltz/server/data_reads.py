@@ -30,6 +30,7 @@ class DataReadGate:
         self._limit = limit
         self._running = 0
         self._waiting = deque()     # (read, Deferred) in arrival order
+        self._admitting = False
 
     @property
     def running(self) -> int:
@@ -53,13 +54,22 @@ class DataReadGate:
         self._admit()
 
     def _admit(self):
-        while self._waiting and self._connection.closed:
-            _, done = self._waiting.popleft()
-            done.callback(None)
-        while self._waiting and self._running < self._limit and self._connection.writable:
-            read, done = self._waiting.popleft()
-            self._running += 1
-            defer.maybeDeferred(read).addBoth(self._ended).chainDeferred(done)
+        # Not re-entered: a read that ends at once (the store has no session during an outage) calls
+        # _ended from inside this loop, and admitting the next one from there would nest one level per
+        # waiting request, past the recursion limit with a few hundred waiting. The loop admits it instead.
+        if self._admitting:
+            return
+        self._admitting = True
+        try:
+            while self._waiting and self._connection.closed:
+                _, done = self._waiting.popleft()
+                done.callback(None)
+            while self._waiting and self._running < self._limit and self._connection.writable:
+                read, done = self._waiting.popleft()
+                self._running += 1
+                defer.maybeDeferred(read).addBoth(self._ended).chainDeferred(done)
+        finally:
+            self._admitting = False
 
     def _ended(self, result):
         self._running -= 1
