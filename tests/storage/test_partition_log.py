@@ -367,6 +367,36 @@ def test_a_truncation_that_fails_to_open_the_segment_to_keep_makes_the_log_unusa
         small_log.check_usable()
 
 
+def test_a_truncation_that_fails_to_delete_a_newer_segment_makes_the_log_unusable(small_log, monkeypatch):
+    # The newest segment was taken out of the log before its files were deleted: an unlink failing (EIO,
+    # EROFS) left a log without an active segment, still usable, reporting itself empty: a replica voting
+    # -1 while it holds records 0..7.
+    small_log.append(small_records(0, 12))   # segments 0, 4, 8
+
+    def eio(directory, first):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(segment_module, "remove_segment_files", eio)
+    with pytest.raises(OSError, match="Input/output error"):
+        small_log.truncate(6)
+    monkeypatch.undo()
+    for attempt in (small_log.check_usable, lambda: small_log.append(small_records(8, 1))):
+        with pytest.raises(StorageError, match="unusable: truncation to 6 could not delete segment 8"):
+            attempt()
+
+
+def test_a_truncation_that_fails_to_cut_the_segment_to_keep_makes_the_log_unusable(small_log, monkeypatch):
+    small_log.append(small_records(0, 12))   # segments 0, 4, 8
+
+    def eio(segment, count, data_size):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(segment_module.Segment, "_cut", eio)
+    with pytest.raises(OSError, match="Input/output error"):
+        small_log.truncate(6)
+    monkeypatch.undo()
+    with pytest.raises(StorageError, match="unusable: truncation to 6 could not cut segment 4"):
+        small_log.check_usable()
+
+
 def test_truncate_to_minus_one_empties_the_partition(small_log):
     small_log.append(small_records(0, 9))
     small_log.truncate(-1)

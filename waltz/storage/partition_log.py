@@ -255,24 +255,30 @@ class PartitionLog:
         self._check_open()
         if transaction_id >= self.max_transaction_id:
             return
-        deleted = False
-        while self._segment_ids and self._segment_ids[-1] > transaction_id:
-            self._delete_newest_segment()
-            deleted = True
-        if deleted:
-            # Durable before the cut: a crash after the cut must not bring deleted segments back past
-            # a gap in the transaction ids.
-            fsync_directory(self.directory)
-        if self._segment_ids:
-            try:
+        # Newer segments go first, and the active one is closed on the way: a failure before the segment
+        # to keep is open again would leave a log without its active segment, reporting itself empty (a
+        # replica voting -1), and one during the cut a segment whose end is unknown. The log is unusable
+        # then, until a restart reads it again from disk.
+        step = "failed"
+        try:
+            deleted = False
+            while self._segment_ids and self._segment_ids[-1] > transaction_id:
+                step = "could not delete segment %d" % self._segment_ids[-1]
+                self._delete_newest_segment()
+                deleted = True
+            if deleted:
+                # Durable before the cut: a crash after the cut must not bring deleted segments back past
+                # a gap in the transaction ids.
+                step = "could not sync the partition directory"
+                fsync_directory(self.directory)
+            if self._segment_ids:
+                step = "could not reopen segment %d" % self._segment_ids[-1]
                 self._active = self._reopen_for_writing(self._segment_ids[-1])
-            except Exception as exc:        # damage, or an OSError (EMFILE, EIO) opening or reading it
-                # The newer segments are gone already: without its active segment the log would report
-                # itself empty (a replica voting -1) and refuse appends. Unusable until a restart judges it.
-                self._unusable = "truncation to %d could not reopen segment %d: %s" % (
-                    transaction_id, self._segment_ids[-1], exc)
-                raise
-            self._active.truncate(transaction_id)
+                step = "could not cut segment %d" % self._segment_ids[-1]
+                self._active.truncate(transaction_id)
+        except Exception as exc:    # damage, or an OSError (EIO, EROFS, EMFILE) deleting, syncing, opening, cutting
+            self._unusable = "truncation to %d %s: %s" % (transaction_id, step, exc)
+            raise
 
     def _delete_newest_segment(self) -> None:
         first = self._segment_ids.pop()
