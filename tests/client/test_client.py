@@ -1246,6 +1246,47 @@ def test_an_apply_that_drops_its_partition_is_not_retried_nor_counted_and_the_pa
     assert client.client_high_water_mark(0) == 0 and callbacks.high_water_marks[0] == 0
 
 
+class CountingCallbacks(RecordingCallbacks):
+    """Records the transaction ids handed to apply_transaction."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def apply_transaction(self, transaction):
+        self.calls.append(transaction.transaction_id)
+        return super().apply_transaction(transaction)
+
+
+@pytest.mark.parametrize("dropped_by", ["apply", "completion hook"])
+def test_a_partition_added_back_while_the_apply_that_dropped_it_runs_waits_for_that_apply(harness, dropped_by):
+    # Dropped from inside apply_transaction (or from the completion hook just before it), the partition became
+    # INACTIVE before that apply returned its Deferred; added back meanwhile, it read the application's mark
+    # (which did not show the transaction yet) and delivered the same transaction again, concurrently.
+    callbacks = DroppingCallbacks("hold") if dropped_by == "apply" else CountingCallbacks()
+    client = harness.client(callbacks, **{"client.autoMount": False})
+    callbacks.client = client
+    client.set_partitions([0])
+    harness.settle()
+    if dropped_by == "apply":
+        harness.commit(0)
+    else:
+        callbacks.hold = True
+        client.execute(DroppingContext(client))
+    harness.settle()
+    assert client.partition_state(0) is PartitionState.INACTIVE
+    assert callbacks.calls == [0] and len(callbacks.pending) == 1      # its apply still runs
+    client.set_partitions([0])
+    harness.settle()
+    assert callbacks.calls == [0]
+    callbacks.hold = False
+    callbacks.release()                      # the apply ends: the partition goes on from the mark it recorded
+    harness.settle()
+    assert client.partition_state(0) is PartitionState.MOUNTED
+    harness.commit(0)
+    assert callbacks.calls == [0, 1] and client.client_high_water_mark(0) == 1
+
+
 def test_a_failed_apply_of_the_clients_own_transaction_lets_the_next_execution_start_at_once(harness):
     client = harness.client(**{"client.maxConcurrentTransactions": 1})
     first, second = RecordingContext(), RecordingContext()

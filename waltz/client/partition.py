@@ -199,16 +199,18 @@ class ClientPartition:
         if self.state is PartitionState.CLOSED:
             return
         self.wanted = True
-        if self.state is PartitionState.CLIENT_AHEAD:
-            # The application's mark is read afresh: an apply still running must end first (else the
-            # mark misses it and the transaction is delivered again, concurrently), and what is queued
-            # behind it was received against the old mark, so it is dropped and fed again.
-            if self._apply_in_flight:
-                self._activate_after_apply = True
-                return
-            self._drop_feed()
-        elif self.state is not PartitionState.INACTIVE:
+        if self.state not in (PartitionState.CLIENT_AHEAD, PartitionState.INACTIVE):
             return
+        # The application's mark is read afresh: an apply still running must end first, else the mark
+        # misses it and the transaction is delivered again, concurrently. (A partition dropped from inside
+        # apply_transaction, or from the completion hook that runs just before it, became INACTIVE before
+        # that apply returned its Deferred.)
+        if self._apply_in_flight:
+            self._activate_after_apply = True
+            return
+        if self.state is PartitionState.CLIENT_AHEAD:
+            # What is queued behind that apply was received against the old mark: dropped and fed again.
+            self._drop_feed()
         self._set_state(PartitionState.ACTIVATING)
         d = defer.maybeDeferred(self._callbacks.get_client_high_water_mark, self.partition_id)
         d.addCallbacks(self._activated, self._activation_failed)
@@ -542,7 +544,7 @@ class ClientPartition:
         if not self._activate_after_apply:
             return False
         self._activate_after_apply = False
-        if not self.wanted or self.state is not PartitionState.CLIENT_AHEAD:
+        if not self.wanted or self.state not in (PartitionState.CLIENT_AHEAD, PartitionState.INACTIVE):
             return False
         self.activate()
         return True
