@@ -249,22 +249,24 @@ class WaltzClient:
         """
         if context.creation_time is None:
             context.creation_time = self._reactor.seconds()
-        if self.state is ClientState.STARTING:
-            return self.when_started().addCallbacks(
-                lambda _: self._execute(context), lambda _: self._execute(context))
-        return self._execute(context)
-
-    def _execute(self, context):
         submission = Submission(context, None)
+        if self.state is ClientState.STARTING:
+            self.when_started().addBoth(lambda _: self._submit(submission))
+        else:
+            self._submit(submission)
+        return submission.result
+
+    def _submit(self, submission):
+        if submission.done:
+            return          # cancelled by its caller while the client was starting
         try:
             if self.state is ClientState.RUNNING:
-                submission.partition_id = context.partition_id(self.num_partitions)
+                submission.partition_id = submission.context.partition_id(self.num_partitions)
             partition = self._partition(submission.partition_id)
         except Exception as exc:
             submission.failed(exc)
         else:
             partition.submit(submission)
-        return submission.result
 
     def flush(self, partition_id=None):
         """Fires once every append pending now (on ``partition_id``, or on all partitions) is settled."""

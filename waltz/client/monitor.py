@@ -31,8 +31,14 @@ class Submission:
     def __init__(self, context, partition_id):
         self.context = context
         self.partition_id = partition_id
-        #: Fires with the :class:`~waltz.client.api.ExecutionResult`; never fails.
-        self.result = defer.Deferred()
+        #: Fires with the :class:`~waltz.client.api.ExecutionResult`; fails only with CancelledError,
+        #: when the caller cancels it (see :meth:`_cancelled`).
+        self.result = defer.Deferred(self._cancelled)
+        self.ended = False
+        #: The caller cancelled :attr:`result`: the execution is not attempted again.
+        self.cancelled = False
+        #: ``withdraw(submission)``, set by the partition it is submitted to: called on cancellation.
+        self.withdraw = None
         self.attempts = 0
         #: After a lock failure: the transaction id the client's high-water mark must reach
         #: before the next attempt.
@@ -43,7 +49,7 @@ class Submission:
 
     @property
     def done(self) -> bool:
-        return self.result.called
+        return self.ended
 
     def is_expired(self, now, expiration) -> bool:
         """True when ``expiration`` seconds (None: never) have passed since the context's creation."""
@@ -70,14 +76,30 @@ class Submission:
     def lock_failed(self):
         call_hook(self.context, "on_lock_failure")
 
+    def _cancelled(self, _):
+        """The caller cancelled :attr:`result` (which then fails with CancelledError). An execution not
+        sent yet is withdrawn and ends with ``on_exception(CancelledError)``; an append already sent
+        cannot be taken back: the feed, a lock failure, a flush or a remount settles it as usual, and the
+        context's hook says how, but it is not attempted again."""
+        self.cancelled = True
+        if self.withdraw is None:
+            self.end_cancelled()        # not handed to a partition yet (the client is starting)
+        else:
+            self.withdraw(self)
+
+    def end_cancelled(self):
+        """End a cancelled execution that is not sent (any more)."""
+        self._end(None, "on_exception", defer.CancelledError("execute() cancelled by its caller"))
+
     def _end(self, result, hook, *args):
-        if self.done:
-            log.error("transaction context {context!r} ended twice ({outcome})",
-                      context=self.context, outcome=result.outcome)
+        if self.ended:
+            log.error("transaction context {context!r} ended twice ({hook})", context=self.context, hook=hook)
             return
+        self.ended = True
         self.cancel_expiry()
         call_hook(self.context, hook, *args)
-        self.result.callback(result)
+        if not self.cancelled:          # a cancelled one's Deferred has failed already
+            self.result.callback(result)
 
     def cancel_expiry(self):
         if self.expiry_call is not None and self.expiry_call.active():

@@ -584,6 +584,7 @@ class ClientPartition:
 
     def submit(self, submission):
         """Queue an execution; it is attempted as soon as the partition is mounted and has room."""
+        submission.withdraw = self._withdraw
         error = self._refusal()
         if error is not None:
             submission.failed(error)
@@ -626,19 +627,39 @@ class ClientPartition:
 
     def _expire_queued(self, submission):
         submission.expiry_call = None
+        self._take_back(submission)
+        if not submission.done:
+            submission.expired()
+        self._after_settlement()
+
+    def _withdraw(self, submission):
+        """Its caller cancelled ``submission``: it ends now unless its append is on the server."""
+        if self._take_back(submission):
+            submission.end_cancelled()
+            self._after_settlement()
+
+    def _take_back(self, submission) -> bool:
+        """Take ``submission`` out of wherever it waits unsent. False if it waits nowhere (its append was
+        sent, or its ``execute`` is running)."""
         for queue in (self._waiting, self._retrying):
             if submission in queue:
                 queue.remove(submission)
-        self._gated.pop(submission, None)
-        building = submission in self._building
-        self._building.discard(submission)      # its execute's Deferred, if it ever fires, is ignored
-        if not submission.done:
-            submission.expired()
-        if building:
-            self._after_settlement()
+                return True
+        if submission in self._gated:
+            del self._gated[submission]
+            return True
+        if submission in self._building:
+            self._building.discard(submission)  # its execute's Deferred, if it ever fires, is ignored
+            return True
+        return False
 
     def _attempt_failed(self, submission):
-        """An attempt failed: retry (after the lock failure's transaction when there was one)."""
+        """An attempt failed: retry (after the lock failure's transaction when there was one), unless the
+        caller cancelled the execution meanwhile."""
+        if submission.cancelled:
+            if not submission.done:
+                submission.end_cancelled()
+            return
         error = self._refusal()
         if error is not None:
             submission.failed(error)
