@@ -665,7 +665,34 @@ def test_high_water_mark_requests_that_timed_out_are_forgotten(harness):
         d = client.high_water_marks([1], timeout=1)
         harness.settle(1.1)
         d.addErrback(lambda failure: failure.trap(HighWaterMarkTimeout))
-    assert client._partitions[1]._hwm_waiters == []
+    assert not client._partitions[1]._hwm_waiters
+
+
+def test_high_water_mark_asked_after_a_commit_is_never_answered_by_an_earlier_request(harness):
+    # Before: a caller arriving while an earlier request was unanswered got that request's answer, which the
+    # server had read before the caller's own transaction committed (-1 here, after transaction 0).
+    client = harness.client()
+    answers = []
+
+    def answer_later(proto, message):
+        hwm = harness.logs[message.req_id.partition_id].high_water_mark     # read on receipt, sent later
+        answers.append(lambda: proto.sendMessage(m.HighWaterMarkResponse(message.req_id, hwm)))
+    harness.server_a.on_HighWaterMarkRequest = answer_later
+    early = client.high_water_mark(0)
+    harness.settle()
+    d = client.execute(RecordingContext())
+    harness.settle()
+    assert outcome(d).transaction_id == 0
+    late, also_late = client.high_water_mark(0), client.high_water_mark(0)
+    harness.settle()
+    assert len(answers) == 1                # the next request waits for the one in flight
+    answers.pop(0)()
+    harness.settle()
+    assert (outcome(early), outcome(late), outcome(also_late)) == (-1, None, None)
+    assert len(answers) == 1                # one request for both later callers
+    answers.pop(0)()
+    harness.settle()
+    assert (outcome(late), outcome(also_late)) == (0, 0)
 
 
 # --- partitions chosen by the application ---------------------------------------------------------

@@ -156,7 +156,9 @@ class ClientPartition:
         self._mount_req_id = None
         self._timers = {}
         self._fetches = {}
-        self._hwm_waiters = []
+        self._hwm_waiters = {}          # Deferred -> number of the first request whose answer may settle it
+        self._hwm_asked = 0             # high-water mark requests sent so far (they are numbered from 1)
+        self._hwm_request = None        # (ReqId, number) of the latest one, until it is answered
         self._hwm_sent_at = None
         #: Called with the partition id when a server says it does not serve the partition (the client
         #: then reads the partition map again).
@@ -855,19 +857,38 @@ class ClientPartition:
         if self.state is PartitionState.CLOSED:
             return defer.fail(ClientClosedError("the Waltz client is closed"))
         d = defer.Deferred(self._forget_hwm_waiter)    # a caller's timeout cancels it: forget it then
-        self._hwm_waiters.append(d)
-        if len(self._hwm_waiters) == 1:
+        # Only the answer to a request sent from now on settles it: one sent earlier may have been answered
+        # before a commit the caller has seen since. Callers coalesce on the next request.
+        self._hwm_waiters[d] = self._hwm_asked + 1
+        if self._hwm_request is None:
             self._send_hwm_request()
         return d
 
     def _forget_hwm_waiter(self, waiter):
-        if waiter in self._hwm_waiters:
-            self._hwm_waiters.remove(waiter)
+        self._hwm_waiters.pop(waiter, None)
+        if not self._hwm_waiters:
+            self._hwm_request = None    # the next caller asks afresh (as the first caller of all did)
 
     def _send_hwm_request(self):
         self._hwm_sent_at = self._clock.seconds()
         if self.rpc is not None and self.rpc.ready:
-            self.rpc.send(m.HighWaterMarkRequest(self.next_req_id()))
+            self._hwm_asked += 1
+            self._hwm_request = (self.next_req_id(), self._hwm_asked)
+            self.rpc.send(m.HighWaterMarkRequest(self._hwm_request[0]))
+
+    def _hwm_answered(self, message):
+        """Settle the waiters that asked before the latest request was sent; ask again for the others."""
+        if self._hwm_request is None or message.req_id != self._hwm_request[0]:
+            return      # the answer to a request asked again since: the latest one answers for it
+        number = self._hwm_request[1]
+        self._hwm_request = None
+        answered = [d for d, first in self._hwm_waiters.items() if first <= number]
+        for d in answered:
+            del self._hwm_waiters[d]
+        for d in answered:
+            d.callback(message.high_water_mark)
+        if self._hwm_waiters:
+            self._send_hwm_request()
 
     def rpc_ready(self, conn):
         if conn is self.rpc:
@@ -897,9 +918,7 @@ class ClientPartition:
         elif isinstance(message, DataChecksumMismatch):
             self._data_corrupted(message)
         elif isinstance(message, m.HighWaterMarkResponse):
-            waiters, self._hwm_waiters = self._hwm_waiters, []
-            for d in waiters:
-                d.callback(message.high_water_mark)
+            self._hwm_answered(message)
         else:
             log.warn("partition {pid}: unexpected {message!r} on the RPC connection",
                      pid=self.partition_id, message=message)
@@ -980,7 +999,7 @@ class ClientPartition:
         for fetch in fetches.values():
             for d in fetch.waiters:
                 d.errback(error)
-        waiters, self._hwm_waiters = self._hwm_waiters, []
+        waiters, self._hwm_waiters, self._hwm_request = list(self._hwm_waiters), {}, None
         waiters += [d for _, d in self._apply_waiters]
         self._apply_waiters = []
         for d in waiters:
