@@ -85,6 +85,30 @@ def test_refused_connections_back_off_doubling_up_to_the_maximum(setup):
     assert conn.ready and listener.events == [("ready", 16)]
 
 
+def test_connections_dropped_soon_after_their_hello_back_off_and_one_that_served_a_while_does_not(setup):
+    # Before: every completed Hello reset the back-off, so a server that took each connection and dropped
+    # it at once was reconnected to in a tight loop.
+    clock, network, server, listener, conn = setup
+    times = []
+
+    def recording(endpoint, factory):
+        times.append(clock.seconds())
+        return network.connect(endpoint, factory)
+    conn._connector = recording
+    conn.start()
+    for _ in range(6):
+        network.flush()
+        assert conn.ready
+        network.disconnect(EP_A)                  # dropped right after the Hello
+        clock.advance(min(call.getTime() for call in clock.getDelayedCalls()) - clock.seconds())
+    assert [round(b - a, 2) for a, b in zip(times, times[1:])] == [0.0, 0.1, 0.2, 0.4, 0.4, 0.4]
+    network.flush()
+    clock.advance(0.5)                            # this one serves longer than the back-off's maximum
+    network.disconnect(EP_A)
+    clock.advance(0)
+    assert times[-1] == clock.seconds()           # replaced at once
+
+
 def test_close_stops_reconnecting_and_reporting(setup):
     clock, network, server, listener, conn = setup
     conn.start()

@@ -34,7 +34,8 @@ CLIENT_ONLY_KEYS = (
     Key("client.reconnectInitialInterval", non_negative_milliseconds, 100,
         "ms before the second attempt to reconnect to a server (the first is immediate)"),
     Key("client.reconnectMaxInterval", milliseconds, 5000,
-        "upper bound in ms of the doubling reconnect back-off"),
+        "upper bound in ms of the doubling reconnect back-off, which starts over once a connection "
+        "has served this long"),
     Key("client.connectTimeout", milliseconds, 10000,
         "ms allowed for a TCP connect to a server, and again for its Hello exchange"),
     Key("client.applyRetryInterval", milliseconds, 100,

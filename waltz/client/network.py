@@ -142,7 +142,8 @@ def tcp_connector(reactor, timeout):
 
 
 class Backoff:
-    """Reconnect delays: 0 first, then ``initial`` doubling up to ``maximum``; :meth:`reset` on success."""
+    """Reconnect delays: 0 first, then ``initial`` doubling up to ``maximum``; :meth:`reset` once a
+    connection has served at least ``maximum`` seconds."""
 
     def __init__(self, initial, maximum):
         self.initial = initial
@@ -192,6 +193,7 @@ class ManagedConnection:
         self._retry_call = None
         self._handshake_timeout = handshake_timeout
         self._handshake_call = None
+        self._ready_since = None
 
     def __repr__(self):
         return "<%s connection to %s #%s %s>" % (self.role, self.endpoint, self.seq_num, self.state.value)
@@ -266,7 +268,7 @@ class ManagedConnection:
             return
         self.protocol = protocol
         self._cancel_handshake_deadline()
-        self._backoff.reset()
+        self._ready_since = self._reactor.seconds()
         self._set_state(ConnectionState.READY)
         log.info("{conn}: connected (version {version})", conn=self, version=protocol.version)
         self._listener.connection_ready(self)
@@ -282,6 +284,10 @@ class ManagedConnection:
         was_ready = self.state is ConnectionState.READY
         log.info("{conn}: connection lost: {reason}", conn=self,
                  reason=reason.getErrorMessage() if reason is not None else "closed")
+        if was_ready and self._reactor.seconds() - self._ready_since >= self._backoff.maximum:
+            # It served a while: reconnect at once. One closed soon after its Hello (a server that takes
+            # every connection and drops it) goes on backing off instead of reconnecting in a tight loop.
+            self._backoff.reset()
         self._schedule_reconnect()
         if was_ready:
             self._listener.connection_lost(self)
