@@ -1324,3 +1324,34 @@ def test_a_failed_apply_of_the_clients_own_transaction_lets_the_next_execution_s
     harness.settle()                         # its feed item settles it: room for the second at once
     assert first.events[:2] == ["execute", ("completion", True)]
     assert second.events[:1] == ["execute"]
+
+
+class ClosingContext(RecordingContext):
+    """Its execute closes the client, or drops the partition, before returning True."""
+
+    def __init__(self, client, action):
+        super().__init__()
+        self.client = client
+        self.action = action
+
+    def execute(self, builder):
+        proceed = super().execute(builder)
+        if self.action == "close":
+            self.client.close()
+        else:
+            self.client.set_partitions([])
+        return proceed
+
+
+@pytest.mark.parametrize("action, error", [("close", ClientClosedError), ("drop", PartitionInactiveError)])
+def test_an_execute_that_closes_the_client_or_drops_its_partition_ends_its_own_context(harness, action, error):
+    # Before: the execution being attempted was in none of the queues the clean-up fails, and its append was
+    # registered on the closed partition: its Deferred never fired.
+    client = harness.client(**{"client.autoMount": False})
+    client.set_partitions([0])
+    harness.settle()
+    context = ClosingContext(client, action)
+    d = client.execute(context)
+    harness.settle()
+    assert isinstance(outcome(d).error, error) and context.events[-1] == ("exception", error.__name__)
+    assert harness.server_a.messages(m.AppendRequest) == []

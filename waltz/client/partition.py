@@ -745,6 +745,11 @@ class ClientPartition:
             if not proceed:
                 submission.ignored()
                 return
+            if self.state is not PartitionState.MOUNTED or not self.wanted:
+                # execute() itself closed the client or dropped the partition (the clean-up could not see
+                # this submission, which was in none of its queues): not sent, it fails or waits to retry.
+                self._retry(submission)
+                return
             request = builder.build_request()
             self.stream.send(request)
         except Exception:
