@@ -244,8 +244,8 @@ class WaltzClient:
         """Execute a :class:`~waltz.client.api.TransactionContext`: build its transaction and append it,
         retrying failed attempts, until it commits, is ignored, expires or fails.
 
-        Returns a Deferred firing with the :class:`~waltz.client.api.ExecutionResult` (it never
-        fails); the context's hooks are called as well.
+        Returns a Deferred firing with the :class:`~waltz.client.api.ExecutionResult` (it fails only
+        when cancelled, see ``docs/client.md``); the context's hooks are called as well.
         """
         if context.creation_time is None:
             context.creation_time = self._reactor.seconds()
