@@ -303,3 +303,22 @@ async def test_an_apply_after_close_does_not_open_the_database_again(tmp_path):
     assert isinstance(failure.result.value, CallbacksClosedError)
     failure.addErrback(lambda _: None)
     assert len(opened) == 2 and state(path) == (100, None)
+
+
+@pytest_twisted.ensureDeferred
+async def test_calls_after_close_fail_with_the_helpers_own_database_thread_and_a_second_close_fires(tmp_path):
+    # Before: close() stopped the database thread's pool, which then took every later call and never ran
+    # it: an apply (or a second close) after close() waited for ever instead of failing.
+    path = str(tmp_path / "bank.db")
+    make_db(path)
+    callbacks = Bank(lambda: sqlite3.connect(path))     # its own database thread (run=None)
+    await callbacks.create_table()
+    first, second = callbacks.close(), callbacks.close()  # the second made before the first ended
+    await defer.gatherResults([first, second])
+    for late in (callbacks.apply_transaction(transaction(0, 5)), callbacks.get_client_high_water_mark(0)):
+        assert late.called
+        with pytest.raises(CallbacksClosedError):
+            await late
+    third = callbacks.close()
+    assert third.called
+    await third

@@ -266,6 +266,9 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
     def close(self):
         """Close the connection and stop the database thread; fires when both are done. Close the Waltz
         client first: an apply that comes after this fails (:class:`CallbacksClosedError`)."""
+        if self._run is _refuse_closed:
+            return defer.succeed(None)
+
         def close_connection():
             self._closed = True
             if self._connection is not None:
@@ -280,7 +283,15 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
         # Joined in a thread of the reactor's pool, not on the reactor: an apply queued behind the close
         # would hold the reactor until it finished.
         worker, self._worker = self._worker, None
+        if worker is None:
+            return result           # a second close() made before the first ended: that one stops it
+        self._run = _refuse_closed  # a stopped thread pool would never run (nor answer) what comes later
         return threads.deferToThread(worker.stop).addCallback(lambda _: result)
+
+
+def _refuse_closed(function, *args):
+    """The database thread of closed callbacks: every call fails."""
+    return defer.fail(CallbacksClosedError("the database callbacks are closed (close the Waltz client first)"))
 
 
 def _close_quietly(cursor):

@@ -11,7 +11,7 @@
 
 import threading
 
-from twisted.internet import threads
+from twisted.internet import defer, threads
 from twisted.python.threadpool import ThreadPool
 
 
@@ -29,7 +29,10 @@ class WorkerThread:
         self._pool.start()
 
     def run(self, function, *args):
-        """Run ``function(*args)`` in the worker thread; a Deferred of its result."""
+        """Run ``function(*args)`` in the worker thread; a Deferred of its result (a failure once the
+        worker is stopped: a stopped pool takes the call and never runs it)."""
+        if self._pool.joined:
+            return defer.fail(RuntimeError("the %s thread is stopped" % self._pool.name))
         return threads.deferToThreadPool(self._reactor, self._pool, function, *args)
 
     def in_worker(self) -> bool:
