@@ -14,7 +14,7 @@ from twisted.internet.testing import StringTransport
 from twisted.logger import globalLogPublisher
 from twisted.test import iosim
 
-from waltz.protocols.base import Liveness, WaltzProtocol
+from waltz.protocols.base import CLOSE_FLUSH_TIMEOUT, Liveness, WaltzProtocol
 from waltz.protocols.errors import DecodeError, UnknownMessageType
 from waltz.protocols.framing import (
     HELLO_MAGIC, HELLO_VERSION, MAX_HELLO_SIZE, Hello, encode_frame, encode_frame_header, negotiate)
@@ -212,6 +212,48 @@ def test_silence_while_reading_is_paused_here_does_not_count():
     assert not transport.disconnecting
     proto.clock.advance(10)
     assert transport.disconnecting
+
+
+def test_silence_while_a_request_is_being_handled_here_does_not_count():
+    # An admin tool sends nothing while it waits for a slow answer (an assignment recovering a large log):
+    # before, the node closed its connection after the idle timeout although the wait was its own.
+    held = []
+    proto = RecordingProtocol(results=lambda m: held.append(defer.Deferred()) or held[-1])
+    Liveness(Clock(), interval=10, idle_timeout=30).apply(proto)
+    proto, transport = ready(proto)
+    proto.dataReceived(frame(b"slow"))  # below the high watermark: reading goes on
+    assert not proto.reading_paused
+    proto.clock.pump([10] * 10)
+    assert not transport.disconnecting
+    held[0].callback(None)
+    proto.clock.pump([10, 10])
+    assert not transport.disconnecting
+    proto.clock.advance(10)
+    assert transport.disconnecting
+
+
+def test_an_idle_timeout_aborts_the_connection_at_once():
+    # Waiting to flush what was written to a peer that is gone or stuck would keep the connection (and
+    # every request on it) until TCP gives up.
+    proto, transport = live()
+    proto.sendMessage(b"unread")
+    proto.clock.pump([10, 10, 10, 10])  # (the Hello was received before the first tick)
+    assert transport.disconnected and transport.producer is None
+
+
+def test_a_close_unregisters_the_producer_and_aborts_a_connection_still_flushing_after_a_while(logged):
+    # Registered, a producer the transport paused (its buffer full) is resumed once the buffer drains, and
+    # Twisted then never finishes the close: the connection stayed open for good.
+    proto, transport = live()
+    assert transport.producer is proto
+    proto.close("test")
+    assert transport.producer is None and transport.disconnecting and not transport.disconnected
+    proto.clock.advance(CLOSE_FLUSH_TIMEOUT)
+    assert transport.disconnected
+    proto, transport = live()
+    proto.close("test")
+    proto.connectionLost(None)          # flushed in time
+    assert proto.clock.getDelayedCalls() == []
 
 
 def test_without_liveness_nothing_is_scheduled():

@@ -58,6 +58,9 @@ KEEPALIVE_INTERVAL = 5.0
 #: Seconds without receiving anything after which a live connection is closed. A peer that writes
 #: nothing sends a keep-alive within two intervals, so this leaves room for two lost ticks.
 IDLE_TIMEOUT = 20.0
+#: Seconds a closed connection may spend flushing what was written to it before it is aborted: a peer
+#: that does not read would otherwise hold it open until TCP gives up (about 15 minutes, or never).
+CLOSE_FLUSH_TIMEOUT = 10.0
 
 
 @attr.s(frozen=True, slots=True)
@@ -122,6 +125,7 @@ class WaltzProtocol(Protocol):
         self._wrote = False         # since the last liveness tick
         self._received = False      # since the last liveness tick
         self._last_heard = None     # clock time of the last tick that found something received
+        self._abort_call = None     # aborts a closed connection still flushing (see close)
         self._encode = self._decode = None   # the codec's functions for the negotiated version
         self.writable = True
 
@@ -153,6 +157,9 @@ class WaltzProtocol(Protocol):
     def connectionLost(self, reason):
         self.closed = True
         self._stop_liveness()
+        if self._abort_call is not None and self._abort_call.active():
+            self._abort_call.cancel()
+        self._abort_call = None
         self._outbox = []
         self.connectionClosed(reason)
 
@@ -167,14 +174,27 @@ class WaltzProtocol(Protocol):
         host, port = getattr(address, "host", None), getattr(address, "port", None)
         return "%s:%s" % (host, port) if host is not None else str(address)
 
-    def close(self, reason: str):
-        """Close this connection because of ``reason`` (logged); other connections are unaffected."""
+    def close(self, reason: str, abort: bool = False):
+        """Close this connection because of ``reason`` (logged); other connections are unaffected.
+
+        What was written still goes out, for at most :data:`CLOSE_FLUSH_TIMEOUT` seconds, after which
+        the connection is aborted; with ``abort`` (the peer is gone or stuck) it is dropped at once.
+        """
         if self.closed:
             return
         self.closed = True
         self.log.warn("closing connection from {peer}: {reason}", peer=self.peer, reason=reason)
         self._stop_liveness()
-        self.transport.loseConnection()
+        transport = self.transport
+        # Unregistered first: a transport that paused this producer (its buffer full) resumes it once
+        # the buffer drains instead of finishing the close, and the connection would stay open for good.
+        if getattr(transport, "producer", None) is not None:
+            transport.unregisterProducer()
+        if abort:
+            transport.abortConnection()
+        else:
+            transport.loseConnection()
+            self._abort_call = self._clock().callLater(CLOSE_FLUSH_TIMEOUT, transport.abortConnection)
 
     # -- hooks for subclasses ----------------------------------------------------
 
@@ -247,11 +267,13 @@ class WaltzProtocol(Protocol):
             return
         clock = self._clock()
         now = clock.seconds()
-        if self._received or self._read_pauses:
+        if self._received or self._read_pauses or self._pending_inbound:
+            # (Paused reading, or requests still being handled here: the silence is this side's own.)
             self._last_heard = now
         self._received = False
         if self.idle_timeout is not None and now - self._last_heard >= self.idle_timeout:
-            self.close("nothing received for %.0f s: the peer is gone or stuck" % (now - self._last_heard))
+            self.close("nothing received for %.0f s: the peer is gone or stuck" % (now - self._last_heard),
+                       abort=True)
             return
         self.checkLiveness(now)
         if self.closed:

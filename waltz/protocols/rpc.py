@@ -106,7 +106,8 @@ class RequestClientProtocol(WaltzProtocol):
         if oldest is None or oldest != self._oldest:
             self._oldest, self._oldest_since = oldest, now
         elif self.request_timeout is not None and now - self._oldest_since >= self.request_timeout:
-            self.close("request %d unanswered for %.0f s: the peer is stuck" % (oldest, now - self._oldest_since))
+            self.close("request %d unanswered for %.0f s: the peer is stuck" % (oldest, now - self._oldest_since),
+                       abort=True)
 
     def messageReceived(self, message):
         d = self._pending.pop(message.seq_num, None)
