@@ -120,6 +120,18 @@ def test_close_stops_reconnecting_and_reporting(setup):
     assert len(network.attempts) == 1 and server.connections == []
 
 
+def test_close_stops_being_the_transports_producer(setup):
+    # A transport that paused its producer (a full buffer) resumes it when the buffer drains instead of
+    # finishing the close: closing must unregister it first (WaltzProtocol.close does).
+    clock, network, server, listener, conn = setup
+    conn.start()
+    network.flush()
+    protocol = conn.protocol
+    assert protocol.transport.producer is protocol
+    conn.close()
+    assert protocol.transport.producer is None and protocol.transport.disconnecting and protocol.closed
+
+
 def test_backoff_resets_after_success():
     backoff = Backoff(0.1, 1.0)
     assert [backoff.next_delay() for _ in range(6)] == [0.0, 0.1, 0.2, 0.4, 0.8, 1.0]

@@ -318,7 +318,7 @@ class ManagedConnection:
             attempt, self._attempt = self._attempt, None
             attempt.cancel()
         if self.protocol is not None:
-            self.protocol.transport.loseConnection()
+            self.protocol.close("the client closed it", expected=True)
             self.protocol = None
 
 

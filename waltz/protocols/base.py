@@ -174,8 +174,9 @@ class WaltzProtocol(Protocol):
         host, port = getattr(address, "host", None), getattr(address, "port", None)
         return "%s:%s" % (host, port) if host is not None else str(address)
 
-    def close(self, reason: str, abort: bool = False):
-        """Close this connection because of ``reason`` (logged); other connections are unaffected.
+    def close(self, reason: str, abort: bool = False, expected: bool = False):
+        """Close this connection because of ``reason`` (logged: a warning unless ``expected``, as this
+        side's own orderly close); other connections are unaffected.
 
         What was written still goes out, for at most :data:`CLOSE_FLUSH_TIMEOUT` seconds, after which
         the connection is aborted; with ``abort`` (the peer is gone or stuck) it is dropped at once.
@@ -183,7 +184,8 @@ class WaltzProtocol(Protocol):
         if self.closed:
             return
         self.closed = True
-        self.log.warn("closing connection from {peer}: {reason}", peer=self.peer, reason=reason)
+        (self.log.debug if expected else self.log.warn)(
+            "closing connection from {peer}: {reason}", peer=self.peer, reason=reason)
         self._stop_liveness()
         transport = self.transport
         # Unregistered first: a transport that paused this producer (its buffer full) resumes it once
