@@ -205,6 +205,19 @@ async def test_preferred_partitions_are_claimed_and_released(servers, cluster_me
 
 
 @pytest_twisted.ensureDeferred
+async def test_preferred_partition_changes_made_at_once_are_all_kept(servers, cluster_metadata):
+    # Before: each change computed its set before waiting for the one in flight, so changes queued behind
+    # it overwrote each other (all reporting success): adding 0, 1 and 2 at once left (0, 2).
+    a = await servers.start(5001)
+    await settled(cluster_metadata, [a], "a alone")
+    results = await defer.gatherResults([a.add_preferred_partitions([0]), a.add_preferred_partitions([1]),
+                                         a.add_preferred_partitions([2]), a.remove_preferred_partitions([0])])
+    assert results == [True] * 4
+    descriptors = dict((d.server_id, d) for _, d in await cluster_metadata.server_descriptors())
+    assert a.preferred_partitions == (1, 2) and descriptors[a.server_id].preferred_partitions == (1, 2)
+
+
+@pytest_twisted.ensureDeferred
 async def test_preferred_partition_given_at_start(servers, cluster_metadata):
     a = await servers.start(5001)
     await settled(cluster_metadata, [a], "a alone")

@@ -501,11 +501,11 @@ class ServerMembership:
 
     def add_preferred_partitions(self, partition_ids):
         """Prefer these partitions too; fires with ``True`` once the descriptor says so."""
-        return self.set_preferred_partitions(set(self.preferred_partitions) | set(partition_ids))
+        return self._change_preferred(partition_ids, lambda current, ids: current | ids)
 
     def remove_preferred_partitions(self, partition_ids):
         """Stop preferring these partitions; fires with ``True`` once the descriptor says so."""
-        return self.set_preferred_partitions(set(self.preferred_partitions) - set(partition_ids))
+        return self._change_preferred(partition_ids, lambda current, ids: current - ids)
 
     def set_preferred_partitions(self, partition_ids):
         """Replace the preferred partitions and re-register the descriptor (one multi-op: the old
@@ -517,11 +517,18 @@ class ServerMembership:
         unchanged (a change whose reply was lost is undone by the next reconcile pass), and the
         caller may try again.
         """
+        return self._change_preferred(partition_ids, lambda current, ids: ids)
+
+    def _change_preferred(self, partition_ids, combine):
+        """Set the preferred partitions to ``combine(current, ids)``, computed when the change's turn
+        comes: one queued behind another starts from that one's outcome, not from the set before it."""
         try:
             self._check_partitions(partition_ids)
         except InvalidPartitions:
             return defer.fail()
-        return self._registration_lock.run(self._set_preferred, tuple(sorted(set(partition_ids))))
+        ids = set(partition_ids)
+        return self._registration_lock.run(
+            lambda: self._set_preferred(tuple(sorted(combine(set(self.preferred_partitions), ids)))))
 
     @defer.inlineCallbacks
     def _set_preferred(self, preferred):
