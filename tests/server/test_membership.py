@@ -598,3 +598,23 @@ def test_contact_is_counted_from_syncs_with_the_leader_not_from_reads():
     clock.advance(3)
     cluster.syncs[0].callback("/c")
     assert membership._last_contact == 10            # when the sync was sent
+
+
+def test_unanswered_probes_give_the_partitions_up_while_still_connected_and_an_answer_brings_them_back():
+    # A follower cut off from the leader keeps answering pings (kazoo stays connected, no SUSPENDED) but
+    # never a sync: the leader may expire the session. Before, the give-up counted only while disconnected.
+    clock, reports = Clock(), []
+    cluster = _OneSessionCluster(_assignment())
+    membership = _member_of(cluster, clock, reports)
+    membership._contact(clock.seconds())
+    membership._prober.start(membership.probe_interval, now=False)
+    while clock.seconds() + membership.probe_interval < membership.give_up_after:
+        clock.advance(membership.probe_interval)
+    assert reports == []
+    clock.advance(membership.probe_interval)            # the first probe at or past 0.8 T: before T
+    assert clock.seconds() < cluster.zk.session_timeout_ms / 1000.0
+    assert reports == [{}] and membership.partitions == {}
+    assert not any(d.called for d in cluster.syncs)
+    cluster.syncs[0].callback("/c")                     # the leader answers again: a reconcile pass
+    assert len(cluster.descriptor_reads) == 1
+    membership.stop()

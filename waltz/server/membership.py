@@ -37,8 +37,10 @@ coordinator hands them to the other servers at new generations. So
   *last confirmed contact*: it probes ZooKeeper every T/6 (a ``sync`` of the
   root, which goes through the leader: the one that expires sessions) and
   remembers when the last answered probe was sent (the leader heard from the
-  session about then at the latest). Disconnected, it gives its partitions up 0.8 T
-  after that (``give_up_after``): before ZooKeeper can expire the session and
+  session about then at the latest). Disconnected, or connected with no probe
+  answered (a follower cut off from the leader still answers pings), it gives its
+  partitions up 0.8 T after that (``give_up_after``; the connected case at the
+  next probe, so up to T/6 later): before ZooKeeper can expire the session and
   the coordinator move them, without waiting to hear of the expiry (the
   reconnect may hang for a long time). A blip shorter than that (a ZooKeeper
   restart) changes nothing; a connection back later gets the partitions again
@@ -133,6 +135,7 @@ class ServerMembership:
         self.probe_interval = session_timeout / PROBES_PER_SESSION_TIMEOUT
         self._last_contact = None       # reactor time at which the last answered probe was sent
         self._probing = False
+        self._gave_up_while_connected = False   # partitions given up for unanswered probes (see _check_contact)
         self._prober = task.LoopingCall(self._probe)
         self._prober.clock = reactor
         self.state = MembershipState.NEW
@@ -304,6 +307,7 @@ class ServerMembership:
         this session around the time it was sent. (A read would not: a follower cut off from the leader
         answers reads, and pings, until it notices, up to ``syncLimit`` ticks later, while the leader lets
         the session expire.)"""
+        self._check_contact()
         if self._probing or not self.cluster.zk.connected:
             return
         self._probing = True
@@ -315,10 +319,27 @@ class ServerMembership:
     def _probed(self, _):
         self._probing = False
 
+    def _check_contact(self):
+        """Give the partitions up when the last confirmed contact is ``give_up_after`` old although the
+        connection is up: a follower cut off from the leader keeps answering pings (kazoo stays connected)
+        while the leader, which expires sessions, hears nothing. (Disconnected, the timer armed on
+        SUSPENDED does it.) Checked at each probe, so up to T/6 late: still before T."""
+        if self._last_contact is None or not self.partitions or not self.cluster.zk.connected:
+            return
+        silent = self.reactor.seconds() - self._last_contact
+        if silent >= self.give_up_after:
+            self._gave_up_while_connected = True
+            self._give_up_partitions("no ZooKeeper probe answered for %.1f s although connected: the leader may "
+                                     "not hear from this session" % silent)
+
     def _contact(self, sent):
         """ZooKeeper heard from this session at ``sent`` (reactor seconds) at the latest."""
         if self._last_contact is None or sent > self._last_contact:
             self._last_contact = sent
+        if self._gave_up_while_connected:
+            # The leader hears from the session again: the assignment gives the partitions back.
+            self._gave_up_while_connected = False
+            self.request_reconcile()
 
     def _give_up_partitions(self, why):
         """Stop holding any partition until a current assignment gives some back (``on_assignment({})``)."""
