@@ -27,7 +27,7 @@ from waltz.server.caches import FeedCache, TransactionDataCache
 from waltz.server.partition import (
     AppendTaskState, ClientConnection, PartitionClosed, PartitionMetrics, PartitionSettings, PartitionState,
     ServerPartition)
-from waltz.server.data_reads import MAX_DATA_READS_IN_FLIGHT, DataReadGate
+from waltz.protocols.read_gate import MAX_READS_IN_FLIGHT, ReadGate
 from waltz.server.store.partition import AppendFailed, AppendFateUnknown, PartitionNotOwned
 
 PID = 3
@@ -128,7 +128,7 @@ class DummyConnection:
         self.sent = []
         self.writable = True
         self.closed = False
-        self.data_reads = DataReadGate(self)
+        self.data_reads = ReadGate(self)
 
     def run_data_read(self, read):
         return self.data_reads.run(read)
@@ -858,17 +858,17 @@ def test_a_connection_runs_a_few_data_reads_at_a_time_and_none_while_it_is_not_w
     from waltz.protocols.client_messages import TransactionDataBatchRequest, TransactionDataBatchResponse
     h = Harness(store=HeldReadStore(5))
     rpc = DummyConnection("rpc")
-    count = MAX_DATA_READS_IN_FLIGHT + 32
+    count = MAX_READS_IN_FLIGHT + 32
     waits = [h.partition.handle(rpc, TransactionDataBatchRequest(rid(n), [0, 1, 2]))
              for n in range(count)]
     waits.append(h.partition.handle(rpc, TransactionDataRequest(rid(count), 4)))
-    assert len(h.store.held) == MAX_DATA_READS_IN_FLIGHT
+    assert len(h.store.held) == MAX_READS_IN_FLIGHT
     assert all(isinstance(d, defer.Deferred) and not d.called for d in waits)   # inbound back pressure
     h.store.answer(1)
-    assert len(rpc.of(TransactionDataBatchResponse)) == 1 and len(h.store.held) == MAX_DATA_READS_IN_FLIGHT
+    assert len(rpc.of(TransactionDataBatchResponse)) == 1 and len(h.store.held) == MAX_READS_IN_FLIGHT
     rpc.writable = False                    # the client stopped reading
-    h.store.answer(MAX_DATA_READS_IN_FLIGHT)
-    assert h.store.held == [] and rpc.data_reads.waiting == count - MAX_DATA_READS_IN_FLIGHT
+    h.store.answer(MAX_READS_IN_FLIGHT)
+    assert h.store.held == [] and rpc.data_reads.waiting == count - MAX_READS_IN_FLIGHT
     rpc.writable = True
     rpc.data_reads.wake()
     while h.store.held:
@@ -882,11 +882,11 @@ def test_data_reads_waiting_when_the_connection_closes_are_dropped():
     h = Harness(store=HeldReadStore(5))
     rpc = DummyConnection("rpc")
     waits = [h.partition.handle(rpc, TransactionDataBatchRequest(rid(n), [0]))
-             for n in range(MAX_DATA_READS_IN_FLIGHT + 4)]
+             for n in range(MAX_READS_IN_FLIGHT + 4)]
     rpc.closed = True
     rpc.data_reads.wake()
-    assert all(d.called for d in waits[MAX_DATA_READS_IN_FLIGHT:])
-    assert len(h.store.held) == MAX_DATA_READS_IN_FLIGHT       # the reads running end as they do
+    assert all(d.called for d in waits[MAX_READS_IN_FLIGHT:])
+    assert len(h.store.held) == MAX_READS_IN_FLIGHT       # the reads running end as they do
 
 
 class OutageStore(HeldReadStore):
@@ -915,7 +915,7 @@ def test_data_reads_failing_at_once_in_an_outage_answer_every_waiting_request(co
     h = Harness(store=OutageStore(5))
     rpc = DummyConnection("rpc")
     waits = [h.partition.handle(rpc, TransactionDataRequest(rid(n), n % 5)) for n in range(count)]
-    assert len(h.store.held) == MAX_DATA_READS_IN_FLIGHT
+    assert len(h.store.held) == MAX_READS_IN_FLIGHT
     h.store.outage = Exception("partition %d has no store session right now" % PID)
     h.store.fail_held()
     failed = []

@@ -437,7 +437,7 @@ def test_a_reader_that_stops_reading_gets_only_a_few_data_answers_buffered():
     # Before: every pipelined batch request started its store read at once, and every 4 MiB answer went
     # into the transport's buffer after the client had stopped reading (1 GiB for the client's default 256).
     from waltz.protocols.values import Record
-    from waltz.server.data_reads import MAX_DATA_READS_IN_FLIGHT
+    from waltz.protocols.read_gate import MAX_READS_IN_FLIGHT
     mib = 1024 * 1024
 
     class HeldStore(DummyStore):
@@ -461,14 +461,14 @@ def test_a_reader_that_stops_reading_gets_only_a_few_data_answers_buffered():
     proto.dataReceived(Hello((3, 4, 5), "Waltz Client").to_frame())
     proto.dataReceived(b"".join(encode_frame(b"L", 5, cm.CLIENT_CODEC.encode(
         cm.TransactionDataBatchRequest(ReqId(1, 7, 3, n), list(range(5))), 5))
-        for n in range(2 * MAX_DATA_READS_IN_FLIGHT + 8)))
-    assert len(store.reads) == MAX_DATA_READS_IN_FLIGHT
+        for n in range(2 * MAX_READS_IN_FLIGHT + 8)))
+    assert len(store.reads) == MAX_READS_IN_FLIGHT
     transport.clear()
     store.reads.pop(0)[0].callback(store.records)
     proto.pauseProducing()                   # that first answer filled the socket's buffer
     while store.reads:
         d, records = store.reads.pop(0)
         d.callback(records)
-    assert len(transport.value()) <= MAX_DATA_READS_IN_FLIGHT * 5 * mib
+    assert len(transport.value()) <= MAX_READS_IN_FLIGHT * 5 * mib
     proto.resumeProducing()                  # the client reads again: the next reads start
-    assert len(store.reads) == MAX_DATA_READS_IN_FLIGHT
+    assert len(store.reads) == MAX_READS_IN_FLIGHT

@@ -82,7 +82,7 @@ class ClientConnection(Interface):
 
     def run_data_read(read):
         """Call ``read()``, which starts a store read for a data request and answers it, when the connection
-        admits it (:class:`~waltz.server.data_reads.DataReadGate`); returns a Deferred firing once it ran."""
+        admits it (:class:`~waltz.protocols.read_gate.ReadGate`); returns a Deferred firing once it ran."""
 
 
 class PartitionClosed(Exception):

@@ -38,7 +38,7 @@ from waltz.protocols import client_messages as cm
 from waltz.protocols.base import WaltzProtocol
 from waltz.protocols.errors import ProtocolError
 from waltz.protocols.framing import MAX_TRANSACTION_DATA_SIZE
-from waltz.server.data_reads import DataReadGate
+from waltz.protocols.read_gate import ReadGate
 from waltz.server.partition import ClientConnection, ServerPartition
 
 #: Answers to partition messages for a partition this server does not have (others are dropped).
@@ -90,7 +90,7 @@ class ServerProtocol(WaltzProtocol):
     hello_name = "Waltz Server"
     #: A client that does not read what it is sent gets nothing more read from it: its feeds stop by
     #: themselves, and its data requests would be answered into the transport's buffer (the reads already
-    #: started still are, at most DataReadGate's few). (Its appends then wait in its own buffers: the back
+    #: started still are, at most ReadGate's few). (Its appends then wait in its own buffers: the back
     #: pressure reaches the application.)
     pause_reading_while_unwritable = True
     #: Messages handled by a partition.
@@ -102,7 +102,7 @@ class ServerProtocol(WaltzProtocol):
         super().__init__()
         self.registry = registry
         self._partitions = {}    # partition id -> the ServerPartition this connection talked to
-        self._data_reads = DataReadGate(self)
+        self._data_reads = ReadGate(self)
 
     def run_data_read(self, read):
         return self._data_reads.run(read)

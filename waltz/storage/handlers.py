@@ -18,6 +18,7 @@ from waltz.protocols import admin_messages as am
 from waltz.protocols import storage_messages as sm
 from waltz.protocols.base import WaltzProtocol
 from waltz.protocols.errors import ProtocolError
+from waltz.protocols.read_gate import ReadGate
 from waltz.storage.controlfile import PartitionFlags
 from waltz.storage.errors import StorageError
 
@@ -35,6 +36,18 @@ class _RequestServerProtocol(WaltzProtocol):
         super().__init__()
         self.node = node
         self.opened = False
+        self._reads = ReadGate(self)
+
+    def outboundResumed(self):
+        self._reads.wake()
+
+    def connectionClosed(self, reason):
+        self._reads.wake()          # what waits is dropped
+
+    def _gated(self, read, message):
+        """Serve ``message`` with ``read`` when the read gate admits it: its answer may be megabytes, and a
+        peer that stops reading would otherwise have every record read it sent at once buffered here."""
+        return self._reads.run(lambda: read(message))
 
     def messageReceived(self, message):
         self.node.metrics.requests.inc(1, type(message).__name__)
@@ -75,8 +88,9 @@ class StorageServerProtocol(_RequestServerProtocol):
     open_type = sm.OpenRequest
     handlers = {cls: "_partition_request" for cls in (
         sm.LastSessionInfoRequest, sm.MaxTransactionIdRequest, sm.SetLowWaterMarkRequest, sm.TruncateRequest,
-        sm.AppendRequest, sm.RecordHeaderRequest, sm.RecordRequest, sm.RecordHeaderListRequest,
-        sm.RecordListRequest)}
+        sm.AppendRequest)}
+    handlers.update({cls: "_record_read" for cls in (
+        sm.RecordHeaderRequest, sm.RecordRequest, sm.RecordHeaderListRequest, sm.RecordListRequest)})
 
     def success(self, message):
         return sm.SuccessResponse(message.session_id, message.seq_num, message.partition_id)
@@ -90,6 +104,9 @@ class StorageServerProtocol(_RequestServerProtocol):
             started = time.monotonic()
             d.addCallback(self._append_done, message.partition_id, started)
         return d
+
+    def _record_read(self, message):
+        return self._gated(self._partition_request, message)
 
     def _append_done(self, response, partition_id, started):
         self.node.metrics.append_seconds.observe(time.monotonic() - started, partition_id)
@@ -139,6 +156,9 @@ class AdminServerProtocol(_RequestServerProtocol):
             self.node.set_flag(message.partition_ids, PartitionFlags.UNWRITABLE, not message.writable), message)
 
     def _record_list(self, message):
+        return self._gated(self._read_record_list, message)
+
+    def _read_record_list(self, message):
         d = self.node.partition(message.partition_id).read_records(message.transaction_id, message.max_records)
         return d.addCallback(lambda records: am.RecordListResponse(message.seq_num, message.partition_id, records))
 

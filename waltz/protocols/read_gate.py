@@ -1,31 +1,33 @@
-"""How many data reads one client connection may have running: :class:`DataReadGate`.
+"""How many large reads one connection may have running: :class:`ReadGate`.
 
-A reader pipelines its transaction-data requests (``client.maxDataRequestsInFlight``, 256 by
-default), and each answer is up to 4 MiB (a batch) or 15 MiB (one transaction). The connection
-stops *reading* requests while the client does not read its answers, but the answers of reads
-already started are still written into the transport's buffer: with every request of such a
-reader started at once, a slow reader made the server buffer a gigabyte. So a connection starts
-at most :data:`MAX_DATA_READS_IN_FLIGHT` store reads at a time, and none while it is not writable;
-the requests waiting for their turn count toward the connection's inbound back pressure (their
-Deferreds are pending), which stops reading from it once enough wait.
+A peer may pipeline many read requests whose answers are large: a Waltz client's transaction-data
+requests (``client.maxDataRequestsInFlight``, 256 by default, each answer up to 4 MiB for a batch
+or 15 MiB for one transaction), a server's record list requests to a storage node (up to 8 MiB
+each). A connection stops *reading* requests while the peer does not read its answers, but the
+answers of reads already started are still written into the transport's buffer: with every
+request read in one go started at once, a slow reader made the server buffer a gigabyte, and a
+storage node could buffer 600 record lists. So a connection starts at most
+:data:`MAX_READS_IN_FLIGHT` such reads at a time, and none while it is not writable; the requests
+waiting for their turn count toward the connection's inbound back pressure (their Deferreds are
+pending), which stops reading from it once enough wait.
 """
 
 from collections import deque
 
 from twisted.internet import defer
 
-#: Store reads for data requests one connection may have started and not answered yet.
-MAX_DATA_READS_IN_FLIGHT = 32
+#: Reads one connection may have started and not answered yet.
+MAX_READS_IN_FLIGHT = 32
 
 
-class DataReadGate:
-    """Admits the data reads of one client connection (see the module docstring).
+class ReadGate:
+    """Admits the large reads of one connection (see the module docstring).
 
     ``connection`` has ``writable`` and ``closed``; its owner calls :meth:`wake` when it becomes
     writable again or closes.
     """
 
-    def __init__(self, connection, limit=MAX_DATA_READS_IN_FLIGHT):
+    def __init__(self, connection, limit=MAX_READS_IN_FLIGHT):
         self._connection = connection
         self._limit = limit
         self._running = 0

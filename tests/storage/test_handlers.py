@@ -1,0 +1,100 @@
+"""The storage node's ports over StringTransport, with a stub node whose reads the test answers."""
+
+import uuid
+
+import pytest
+from twisted.internet import defer
+from twisted.internet.testing import StringTransport
+
+from waltz.metrics import Registry
+from waltz.protocols import admin_messages as am
+from waltz.protocols import storage_messages as sm
+from waltz.protocols.framing import Hello, encode_frame
+from waltz.protocols.read_gate import MAX_READS_IN_FLIGHT
+from waltz.protocols.values import Record, ReqId
+from waltz.storage.handlers import AdminServerProtocol, StorageServerProtocol
+from waltz.storage.node import StorageMetrics
+
+KEY = uuid.UUID(int=7)
+
+
+class StubNode:
+    """Accepts KEY/4; every partition request and record read returns a Deferred the test fires."""
+
+    def __init__(self):
+        self.registry = Registry()
+        self.metrics = StorageMetrics(self.registry)
+        self.held = []
+
+    def check_open(self, key, partitions):
+        assert (key, partitions) == (KEY, 4)
+
+    def partition(self, pid):
+        return self
+
+    def handle(self, message):
+        return self._held(message)
+
+    def read_records(self, transaction_id, max_records):
+        return self._held(transaction_id)
+
+    def _held(self, what):
+        d = defer.Deferred()
+        self.held.append((d, what))
+        return d
+
+
+def frame(codec, message):
+    version = codec.versions[-1]
+    return encode_frame(codec.magic, version, codec.encode(message, version))
+
+
+def opened(proto_class, codec, open_request):
+    node = StubNode()
+    proto = proto_class(node)
+    transport = StringTransport()
+    proto.makeConnection(transport)
+    proto.dataReceived(Hello(tuple(codec.versions), "Peer").to_frame() + frame(codec, open_request))
+    assert proto.opened
+    transport.clear()
+    return node, proto, transport
+
+
+RECORDS = (Record.create(0, ReqId(1, 1, 0, 0), 0, b"x" * 1024),)
+
+
+@pytest.mark.parametrize("port", ["storage", "admin"])
+def test_a_peer_that_stops_reading_gets_at_most_a_few_record_reads_answered(port):
+    # Before: every read request read from the socket was started at once (up to 600, the inbound high
+    # watermark), and all their answers (record lists of up to 8 MiB) were buffered for a peer that did
+    # not read them: gigabytes per connection.
+    if port == "storage":
+        node, proto, transport = opened(StorageServerProtocol, sm.STORAGE_CODEC, sm.OpenRequest.create(KEY, 4))
+        requests = [frame(sm.STORAGE_CODEC, sm.RecordListRequest(1, seq, 0, 0, 1000)) for seq in range(100)]
+        answer = lambda seq: sm.RecordListResponse(1, seq, 0, RECORDS)   # noqa: E731
+    else:
+        node, proto, transport = opened(AdminServerProtocol, am.ADMIN_CODEC, am.OpenRequest(-1, KEY, 4))
+        requests = [frame(am.ADMIN_CODEC, am.RecordListRequest(seq, 0, 0, 1000)) for seq in range(100)]
+        answer = lambda seq: RECORDS     # noqa: E731 (read_records returns the records)
+    proto.dataReceived(b"".join(requests))          # one read of the socket
+    assert len(node.held) == MAX_READS_IN_FLIGHT
+    proto.pauseProducing()                           # the peer stops reading
+    for seq, (d, _) in enumerate(list(node.held)):
+        d.callback(answer(seq))
+    assert len(node.held) == MAX_READS_IN_FLIGHT     # nothing more started while it does not read
+    proto.resumeProducing()
+    while any(not d.called for d, _ in node.held):
+        assert sum(1 for d, _ in node.held if not d.called) <= MAX_READS_IN_FLIGHT
+        for seq, (d, _) in enumerate(list(node.held)):
+            if not d.called:
+                d.callback(answer(seq))
+    assert len(node.held) == 100
+    assert transport.value().count(b"x" * 1024) == 100       # every request answered in the end
+
+
+def test_appends_are_not_held_by_the_read_gate():
+    node, proto, transport = opened(StorageServerProtocol, sm.STORAGE_CODEC, sm.OpenRequest.create(KEY, 4))
+    proto.dataReceived(b"".join(frame(sm.STORAGE_CODEC, sm.RecordListRequest(1, seq, 0, 0, 1000))
+                                for seq in range(MAX_READS_IN_FLIGHT + 5)))
+    proto.dataReceived(frame(sm.STORAGE_CODEC, sm.AppendRequest(1, 99, 0, RECORDS, False)))
+    assert isinstance(node.held[-1][1], sm.AppendRequest) and len(node.held) == MAX_READS_IN_FLIGHT + 1
