@@ -48,6 +48,24 @@ def test_a_request_left_unanswered_closes_the_connection_and_fails_every_request
         assert isinstance(logged_failures(d), ConnectionClosed)
 
 
+def test_a_request_waiting_behind_an_older_one_is_timed_from_when_it_was_sent(logged_failures):
+    # Before: a request's age counted from the tick at which it became the oldest pending one, so one sent
+    # behind a slow older request could wait nearly twice the timeout.
+    proto, transport = opened_connection()
+    first = ask(proto)
+    proto.clock.advance(10)             # the tick at 10 s sees the first pending
+    second = ask(proto)
+    proto.clock.advance(10)             # the tick at 20 s sees the second pending
+    proto.dataReceived(response(sm.MaxTransactionIdResponse(1, 0, 0, 5), proto.version))
+    assert first.called
+    proto.clock.pump([10, 10])
+    assert not transport.disconnecting
+    proto.clock.advance(10)             # 50 s: the second has been seen pending for 30 s
+    assert transport.disconnecting
+    proto.connectionLost(None)
+    assert isinstance(logged_failures(second), ConnectionClosed)
+
+
 def test_requests_answered_in_time_keep_the_connection(logged_failures):
     proto, transport = opened_connection()
     for seq in range(10):               # one request always pending, each answered after 20 s

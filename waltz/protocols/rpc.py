@@ -16,7 +16,7 @@ count); :attr:`opened` fires with the protocol once the storage accepted it,
 and requests made before then wait for it.
 """
 
-import itertools
+import collections
 
 import attr
 from twisted.internet import defer
@@ -55,15 +55,15 @@ class RequestClientProtocol(WaltzProtocol):
 
     def __init__(self):
         super().__init__()
-        self._numbers = itertools.count(0)
+        self._next_number = 0
         self._pending = {}
         self._waiting_for_open = []
         self.is_open = False
         self.opened = defer.Deferred()
-        # The oldest pending request seen at a liveness tick, and since when: a request's age is
-        # known to a tick's precision without a clock read per request.
-        self._oldest = None
-        self._oldest_since = None
+        # (tick time, the number the next request will get) of each liveness tick since the oldest
+        # pending request was sent: a request's age is known to a tick's precision (from the first tick
+        # that saw it pending) without a clock read per request.
+        self._ticks = collections.deque()
 
     def connectionReady(self):
         self._pending[-1] = d = defer.Deferred()
@@ -92,7 +92,8 @@ class RequestClientProtocol(WaltzProtocol):
         return self._send_request(message)
 
     def _send_request(self, message):
-        seq_num = next(self._numbers)
+        seq_num = self._next_number
+        self._next_number += 1
         self._pending[seq_num] = d = defer.Deferred()
         self.sendMessage(attr.evolve(message, seq_num=seq_num))
         return d
@@ -102,12 +103,17 @@ class RequestClientProtocol(WaltzProtocol):
         return len(self._pending)
 
     def checkLiveness(self, now):
+        ticks = self._ticks
+        ticks.append((now, self._next_number))
         oldest = next(iter(self._pending), None)    # requests are numbered in order: the first is oldest
-        if oldest is None or oldest != self._oldest:
-            self._oldest, self._oldest_since = oldest, now
-        elif self.request_timeout is not None and now - self._oldest_since >= self.request_timeout:
-            self.close("request %d unanswered for %.0f s: the peer is stuck" % (oldest, now - self._oldest_since),
-                       abort=True)
+        if oldest is None:
+            ticks.clear()
+            return
+        while ticks[0][1] <= oldest:                # ticks from before it was sent (the last one is after)
+            ticks.popleft()
+        since = ticks[0][0]                         # the first tick that saw it pending
+        if self.request_timeout is not None and now - since >= self.request_timeout:
+            self.close("request %d unanswered for %.0f s: the peer is stuck" % (oldest, now - since), abort=True)
 
     def messageReceived(self, message):
         d = self._pending.pop(message.seq_num, None)
