@@ -3,7 +3,7 @@
 import pytest
 
 from waltz.client.config import client_config
-from waltz.config import ZOOKEEPER_KEYS, ConfigError, load_config, read_yaml
+from waltz.config import ZOOKEEPER_KEYS, ConfigError, flatten, load_config, read_yaml
 
 
 def written(tmp_path, text):
@@ -60,3 +60,20 @@ def test_a_server_host_clients_could_not_reach_is_refused(tmp_path, host):
     path = written(tmp_path, "zookeeper.connectString: 127.0.0.1:2181\ncluster.root: /x\nserver.host: '%s'\n" % host)
     with pytest.raises(ConfigError, match="config key 'server.host': expected a host name or address"):
         load_config(path, SERVER_KEYS)
+
+
+def test_a_recursive_yaml_alias_is_refused_naming_the_key(tmp_path):
+    # `x: &a {b: *a}` is valid YAML: flattening it recursed until RecursionError (a 40-line traceback from
+    # twistd). An alias used twice, not inside itself, is fine.
+    path = written(tmp_path, "zookeeper.connectString: 127.0.0.1:2181\ncluster.root: /x\nx: &a {b: *a}\n")
+    with pytest.raises(ConfigError, match="config key 'x.b' refers to a mapping that contains it"):
+        load_config(path, ZOOKEEPER_KEYS)
+    assert flatten(read_yaml(written(tmp_path, "a: &x {b: 1}\nc: *x\n"))) == {"a.b": 1, "c.b": 1}
+
+
+@pytest.mark.parametrize("root", ["/a/../b", "/a/./b", "/.."])
+def test_a_cluster_root_with_relative_components_is_refused_naming_the_key(tmp_path, root):
+    # Accepted before, then refused by kazoo on every request ("relative paths not allowed", naming nothing).
+    path = written(tmp_path, "zookeeper.connectString: 127.0.0.1:2181\ncluster.root: '%s'\n" % root)
+    with pytest.raises(ConfigError, match="config key 'cluster.root'"):
+        load_config(path, ZOOKEEPER_KEYS)

@@ -127,7 +127,8 @@ def connect_string(value):
 def znode_path(value):
     """An absolute ZooKeeper path such as ``/waltz_cluster``."""
     text = _parse_str(value)
-    if not text.startswith("/") or text.endswith("/") or "//" in text:
+    if (not text.startswith("/") or text.endswith("/") or "//" in text
+            or any(part in (".", "..") for part in text.split("/"))):
         raise ValueError("expected an absolute path like /waltz_cluster, got %r" % text)
     return text
 
@@ -180,13 +181,17 @@ class Config:
         return {k[len(prefix):]: v for k, v in self.values.items() if k.startswith(prefix)}
 
 
-def flatten(mapping, prefix=""):
-    """Flatten nested mappings into dotted keys; a key may not be given twice."""
+def flatten(mapping, prefix="", _enclosing=()):
+    """Flatten nested mappings into dotted keys; a key may not be given twice, nor a mapping contain
+    itself (a YAML alias of an enclosing mapping: ``x: &a {b: *a}``)."""
     flat = {}
+    enclosing = _enclosing + (id(mapping),)
     for key, value in mapping.items():
         name = prefix + str(key)
         if isinstance(value, dict):
-            nested = flatten(value, name + ".")
+            if id(value) in enclosing:
+                raise ConfigError("config key '%s' refers to a mapping that contains it" % name, name)
+            nested = flatten(value, name + ".", enclosing)
             duplicate = flat.keys() & nested.keys()
             if duplicate:
                 name = sorted(duplicate)[0]

@@ -19,12 +19,17 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 SIZE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
 
 
+def _escaped(text, quote=True):
+    """``text`` as the Prometheus text format wants it: backslash and line feed escaped (and the double
+    quote, in a label value); a raw line feed would split the sample and fail the whole scrape."""
+    text = str(text).replace("\\", "\\\\").replace("\n", "\\n")
+    return text.replace('"', '\\"') if quote else text
+
+
 def _label_text(names, values):
     if not names:
         return ""
-    pairs = ",".join('%s="%s"' % (n, str(v).replace("\\", "\\\\").replace('"', '\\"'))
-                     for n, v in zip(names, values))
-    return "{%s}" % pairs
+    return "{%s}" % ",".join('%s="%s"' % (n, _escaped(v)) for n, v in zip(names, values))
 
 
 class _Metric:
@@ -46,7 +51,7 @@ class _Metric:
         self._values.pop(self._key(labels), None)
 
     def header(self):
-        return ["# HELP %s %s" % (self.name, self.doc), "# TYPE %s %s" % (self.name, self.kind)]
+        return ["# HELP %s %s" % (self.name, _escaped(self.doc, quote=False)), "# TYPE %s %s" % (self.name, self.kind)]
 
 
 class Counter(_Metric):

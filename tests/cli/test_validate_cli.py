@@ -4,7 +4,7 @@ import pytest
 from twisted.internet import defer
 
 from tests.cli.helpers import refused, waltz
-from waltz.cli.client import _Validator
+from waltz.cli.client import _Validator, expiration_ms
 
 
 @pytest.mark.timeout(300)
@@ -46,3 +46,10 @@ def test_validate_gives_up_on_unserved_partitions_within_its_timeout(serverless_
 def test_validate_options_are_checked():
     assert "argument --clients: expected a positive integer, got '0'" in refused(
         "client", "validate", "--clients", "0", code=2)
+
+
+@pytest.mark.parametrize("timeout, expected", [(15.0, 15000), (90000.0, 86_400_000), (0.0004, 1)])
+def test_validates_transactions_expire_within_what_the_key_takes(timeout, expected):
+    # Before: --timeout 90000 failed after reading the high-water marks, naming client.transactionExpiration
+    # (a key the user never wrote), and --timeout 0.0004 made it 0: never expire.
+    assert expiration_ms(timeout) == expected

@@ -618,3 +618,31 @@ def test_unanswered_probes_give_the_partitions_up_while_still_connected_and_an_a
     cluster.syncs[0].callback("/c")                     # the leader answers again: a reconcile pass
     assert len(cluster.descriptor_reads) == 1
     membership.stop()
+
+
+def test_health_reports_partitions_given_up_for_unanswered_probes_until_a_probe_is_answered():
+    from types import SimpleNamespace
+
+    from waltz.config import build_config
+    from waltz.server.config import SERVER_KEYS
+    from waltz.server.service import WaltzServerService
+    from waltz.zk.bridge import SessionState
+    clock, reports = Clock(), []
+    cluster = _OneSessionCluster(_assignment())
+    membership = _member_of(cluster, clock, reports)
+    config = build_config({"zookeeper.connectString": "127.0.0.1:2181", "cluster.root": "/c"}, SERVER_KEYS)
+    service = WaltzServerService(config, clock, partition_factory=lambda *a: None, clock=clock.seconds)
+    service.membership = membership
+    service.partitions = SimpleNamespace(problems=lambda: [])      # holds nothing now
+    service._zookeeper_state_changed(SessionState.CONNECTED)
+    membership._contact(clock.seconds())
+    membership._prober.start(membership.probe_interval, now=False)
+    assert service.problems() == []
+    clock.advance(membership.give_up_after + membership.probe_interval)
+    assert reports == [{}]
+    # Before: healthy, although the server held nothing and its clients got NOT_READY.
+    [problem] = service.problems()
+    assert problem.startswith("partitions given up: no ZooKeeper probe answered")
+    cluster.syncs[-1].callback("/c")
+    assert service.problems() == []
+    membership.stop()

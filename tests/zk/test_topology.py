@@ -30,6 +30,9 @@ def test_add_storage_fills_all_three_maps():
     (A, 55281, 0, "already exists"),
     ("nohostport", 1, 0, "expected HOST:PORT"),
     ("h:70000", 1, 0, "expected HOST:PORT"),
+    ('evil"\nhost:55280', 1, 0, "expected HOST:PORT"),   # before: written, then shown over two lines
+    ("a b:55280", 1, 0, "expected HOST:PORT"),
+    ("\t:55280", 1, 0, "expected HOST:PORT"),
     (C, 0, 0, "bad admin port"),
     (C, 1, -1, "bad group"),
 ])

@@ -15,6 +15,7 @@ from twisted.internet import defer, task
 from waltz.cli.cluster import add_connection_options, connection_config, quiet_kazoo, run_reactor, within
 from waltz.cli.common import CliError, parse_partition_list, positive_int, positive_seconds
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks
+from waltz.config import MAX_MILLISECONDS
 
 #: The keys of the ``-c`` file and flags (:func:`~waltz.cli.cluster.connection_config`) a Waltz client takes.
 _CLIENT_ZOOKEEPER_KEYS = ("zookeeper.connectString", "zookeeper.connectTimeout", "zookeeper.sessionTimeout",
@@ -123,6 +124,12 @@ class _NextId(TransactionContext):
         return True
 
 
+def expiration_ms(timeout):
+    """``client.transactionExpiration`` for a run bounded by ``timeout`` seconds, within what the key
+    takes (``--timeout`` goes up to a year and down to a fraction of a millisecond; 0 means never)."""
+    return max(1, min(MAX_MILLISECONDS, round(timeout * 1000)))
+
+
 def validate(args):
     config = connection_config(args)
     quiet_kazoo()
@@ -134,7 +141,7 @@ def validate(args):
         validators = [_Validator("client %d" % i, num_partitions, problems) for i in range(args.clients)]
         for validator in validators:
             validator.high_water_marks.update(start)
-        settings = client_config(config, **{"client.transactionExpiration": int(args.timeout * 1000)})
+        settings = client_config(config, **{"client.transactionExpiration": expiration_ms(args.timeout)})
         clients = [WaltzClient(v, settings, reactor) for v in validators]
         began = time.monotonic()
         try:

@@ -135,7 +135,9 @@ class ServerMembership:
         self.probe_interval = session_timeout / PROBES_PER_SESSION_TIMEOUT
         self._last_contact = None       # reactor time at which the last answered probe was sent
         self._probing = False
-        self._gave_up_while_connected = False   # partitions given up for unanswered probes (see _check_contact)
+        #: Why the partitions were given up although connected (unanswered probes, see _check_contact),
+        #: until a probe is answered again; None otherwise. ``/health`` reports it.
+        self.given_up_while_connected = None
         self._prober = task.LoopingCall(self._probe)
         self._prober.clock = reactor
         self.state = MembershipState.NEW
@@ -328,17 +330,18 @@ class ServerMembership:
             return
         silent = self.reactor.seconds() - self._last_contact
         if silent >= self.give_up_after:
-            self._gave_up_while_connected = True
-            self._give_up_partitions("no ZooKeeper probe answered for %.1f s although connected: the leader may "
-                                     "not hear from this session" % silent)
+            self.given_up_while_connected = ("partitions given up: no ZooKeeper probe answered for %.1f s "
+                                             "although connected (the leader may not hear from this session)"
+                                             % silent)
+            self._give_up_partitions(self.given_up_while_connected)
 
     def _contact(self, sent):
         """ZooKeeper heard from this session at ``sent`` (reactor seconds) at the latest."""
         if self._last_contact is None or sent > self._last_contact:
             self._last_contact = sent
-        if self._gave_up_while_connected:
+        if self.given_up_while_connected is not None:
             # The leader hears from the session again: the assignment gives the partitions back.
-            self._gave_up_while_connected = False
+            self.given_up_while_connected = None
             self.request_reconcile()
 
     def _give_up_partitions(self, why):

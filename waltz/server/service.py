@@ -414,6 +414,8 @@ class WaltzServerService(AsyncStartService):
                 str(self.zookeeper_state).lower(), self.clock() - self.zookeeper_state_since))
         if self.membership.state is not MembershipState.MEMBER:
             found.append("not registered in ZooKeeper (membership %s)" % self.membership.state.value)
+        if self.membership.given_up_while_connected is not None:
+            found.append(self.membership.given_up_while_connected)
         return found + self.partitions.problems()
 
     # --- stop -----------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ def format_ids(ids):
 def check_storage(storage):
     """Insist on a ``host:port`` connect string; returns it."""
     host, sep, port = str(storage).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if (not sep or not host.strip("[]") or any(c.isspace() or not c.isprintable() for c in host)
+            or not port.isdigit() or not 1 <= int(port) <= 65535):
         raise TopologyError("bad storage connect string %r: expected HOST:PORT" % (storage,))
     return storage
 
