@@ -49,3 +49,35 @@ def test_a_replica_session_binds_when_its_node_opens():
 
 class FakeProtocol:
     closed = False
+
+
+def test_a_stopped_pool_opens_no_connection():
+    # A session whose creation was under way when the server stopped opened connections, reconnecting for
+    # ever, after the pool had stopped.
+    import pytest
+    from waltz.server.store.replica import ReplicaUnavailable, StorageConnectionPool
+    pool = StorageConnectionPool(sm.OpenRequest.create(None, 1), MemoryReactorClock())
+    pool.stop()
+    with pytest.raises(ReplicaUnavailable, match="stopped"):
+        pool.connection("127.0.0.1:1")
+    assert pool.connections == {}
+
+
+def test_a_connection_lost_before_its_handshake_logs_no_unhandled_error():
+    import gc
+    from twisted.internet import error
+    from twisted.logger import globalLogPublisher
+    from twisted.python import failure
+    from waltz.server.store.replica import _PooledStorageProtocol
+    seen = []
+    observer = lambda event: seen.append(event.get("log_format") or "")   # noqa: E731
+    globalLogPublisher.addObserver(observer)
+    try:
+        proto = _PooledStorageProtocol()
+        proto.owner = StorageConnection("127.0.0.1:1", sm.OpenRequest.create(None, 1), MemoryReactorClock())
+        proto.connectionLost(failure.Failure(error.ConnectionDone()))   # the node closed during the Hello
+        del proto
+        gc.collect()
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    assert [s for s in seen if "Unhandled error in Deferred" in s] == []

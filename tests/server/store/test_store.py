@@ -55,3 +55,22 @@ def test_a_session_created_across_an_assignment_change_gets_the_new_replicas():
     store._assignment_changed(assignment("a:1", "b:1", "d:1").encode(), None)
     cluster.created.callback(PartitionMetadata(5, 1, ()))   # ZooKeeper answers after the change
     assert sorted(partition.session.replicas) == ["a:1", "b:1", "d:1"]
+
+
+def test_closing_a_partition_forgets_its_recovery_state_metric():
+    # Before: the gauge kept the last state of a partition served elsewhere since.
+    from waltz.metrics import Registry
+    from waltz.server.store.metrics import StoreMetrics
+    registry = Registry()
+    metrics = StoreMetrics(registry)
+    store = Store(cluster=None, reactor=Clock(), metrics=metrics)
+
+    class Partition:
+        def close(self):
+            metrics.recovery_transition(3, "failed")      # its session's last transition
+            return defer.succeed(None)
+    store.partitions[3] = Partition()
+    metrics.recovery_transition(3, "complete")
+    assert 'waltz_server_recovery_state{partition="3"}' in registry.prometheus_text()
+    store.close_partition(3)
+    assert 'waltz_server_recovery_state{partition="3"}' not in registry.prometheus_text()

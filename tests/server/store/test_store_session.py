@@ -567,3 +567,37 @@ def test_a_joining_replica_copies_from_the_next_replica_when_the_first_fails_the
     clock.advance(0.5)
     assert set(session.joined) == {"a:1", "b:1", "c:1"}
     assert [r.transaction_id for r in replicas["c:1"].log] == list(range(5))
+
+
+def test_a_batch_sent_as_a_new_session_settles_is_numbered_after_the_recovered_mark():
+    # With a metadata store that answers at once, a replica joined inside the session's start and its
+    # writable listener made the partition send the queued append before it took the recovered mark:
+    # transaction 1, committed, was numbered again for the next append.
+    h = Harness(manual=True)
+    partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=1, max_batches_in_flight=1)
+    partition.open()
+    first = partition.append(ReqId(1, 1, 0, 0), 0, b"x0", checksum(b"x0"))
+    s0 = h.sessions[0]
+    a, b, c = (s0.replicas_by_name[s] for s in STORAGES)
+    a.ack(), b.ack()
+    assert first.result == 0
+    c.ack()
+    second = partition.append(ReqId(1, 1, 0, 1), 0, b"x1", checksum(b"x1"))     # transaction 1
+    a.ack()
+    s0.close("test: b's ack is lost")
+    b.ack(), c.ack()                       # it is on all three: the next recovery resolves 1
+    partition.append(ReqId(1, 1, 0, 2), 0, b"x2", checksum(b"x2"))              # queued
+    h.clock.advance(0)
+    assert second.result == 1 and partition.high_water_mark == 1
+    sent = [call[1] for r in h.sessions[1].replicas_by_name.values() for call in r.calls if call[0] == "append"]
+    assert sent and all(ids == (2,) for ids in sent), sent
+
+
+def test_closing_a_store_partition_cancels_its_session_restart():
+    clock = Clock()
+    partition = StorePartition(0, 1, lambda *args: defer.fail(ConnectionError("ZooKeeper connection lost")),
+                               clock, retry_interval=0.5)
+    partition.open()
+    assert len(clock.getDelayedCalls()) == 1       # the retry
+    partition.close()
+    assert clock.getDelayedCalls() == []

@@ -31,6 +31,10 @@ class StoreMetrics:
         self.recovery_transitions.inc(1, partition_id, state)
         self.recovery_state.set(self._STATE_CODES[state], partition_id)
 
+    def partition_closed(self, partition_id):
+        """The partition's store partition closed: forget its current recovery state."""
+        self.recovery_state.remove(partition_id)
+
     def replica_transition(self, partition_id, state):
         self.replica_transitions.inc(1, partition_id, state)
 

@@ -16,7 +16,7 @@ transactions past its low-water mark, it is closed and a new one started.
 import collections
 
 import attr
-from twisted.internet import defer, task
+from twisted.internet import defer
 from twisted.logger import Logger
 from zope.interface import implementer
 
@@ -83,6 +83,7 @@ class StorePartition:
         self._listeners = []
         self._flush_waiters = []
         self._opening = None
+        self._restart_call = None       # the DelayedCall that starts the next session, if one is due
         self.sessions_started = 0
 
     # -- IStorePartition ---------------------------------------------------------------------
@@ -160,7 +161,6 @@ class StorePartition:
             return None
         self.session = session
         self.sessions_started += 1
-        session.add_writable_listener(self._pump)
         return session.start().addCallback(self._session_recovered, session)
 
     def _session_recovered(self, result, session):
@@ -171,6 +171,9 @@ class StorePartition:
         self.high_water_mark = max(self.high_water_mark, result.high_water_mark)
         self._settle(result.high_water_mark)
         self._notify()
+        # Only now: a replica joining the session (which calls its writable listeners) must not make it
+        # send before the mark above is taken, even when the join completes inside session.start().
+        session.add_writable_listener(self._pump)
         self._pump()
         return None
 
@@ -181,8 +184,27 @@ class StorePartition:
         if not self.closed:
             self.log.warn("partition {pid}: store session could not start: {reason}; retrying",
                           pid=self.partition_id, reason=failure.getErrorMessage())
-            task.deferLater(self.reactor, self.retry_interval, self._start_session)
+            self._restart_later(self.retry_interval)
         return None
+
+    def _restart_later(self, delay):
+        """Start a new session after ``delay`` seconds, or sooner if that is due already (a failed
+        recovery asks twice: its session closing asks at once, its Deferred failing after a delay)."""
+        call = self._restart_call
+        if call is not None and call.active():
+            if call.getTime() <= self.reactor.seconds() + delay:
+                return
+            call.cancel()
+        self._restart_call = self.reactor.callLater(delay, self._restart)
+
+    def _restart(self):
+        self._restart_call = None
+        self._start_session()
+
+    def _cancel_restart(self):
+        call, self._restart_call = self._restart_call, None
+        if call is not None and call.active():
+            call.cancel()
 
     def _session_closed(self, session, reason):
         if session is not self.session:
@@ -191,7 +213,7 @@ class StorePartition:
         self._unsettled.extend(self._in_flight)
         self._in_flight.clear()
         if not self.closed and not self.lost:
-            self.reactor.callLater(0, self._start_session)
+            self._restart_later(0)
 
     def _settle(self, high_water_mark):
         """Decide the batches whose session died: committed up to ``high_water_mark``, failed above."""
@@ -207,6 +229,7 @@ class StorePartition:
 
     def _lose(self, reason):
         self.lost = reason
+        self._cancel_restart()
         self.log.warn("partition {pid} lost: {reason}", pid=self.partition_id, reason=reason)
         self._fail_everything(PartitionNotOwned(reason))
 
@@ -280,6 +303,7 @@ class StorePartition:
         if self.closed:
             return defer.succeed(None)
         self.closed = True
+        self._cancel_restart()
         if self.session is not None:
             self.session.close("store partition closed")
         self._fail_everything(AppendFailed("partition %d closed" % self.partition_id))

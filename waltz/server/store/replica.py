@@ -37,6 +37,9 @@ class _PooledStorageProtocol(StorageClientProtocol):
         self.opened.addCallbacks(self.owner._opened, lambda f: None)
 
     def connectionClosed(self, reason):
+        # Closed before its Hello or open completed (a node restarting): nobody listens to ``opened`` yet,
+        # and its failure would be logged as unhandled.
+        self.opened.addErrback(lambda f: None)
         super().connectionClosed(reason)
         self.owner._closed(self)
 
@@ -125,8 +128,13 @@ class StorageConnectionPool:
         self.max_retry = max_retry
         self.request_timeout = request_timeout
         self.connections = {}
+        self.stopped = False
 
     def connection(self, storage) -> StorageConnection:
+        """The connection to ``storage``, started on first use; :class:`ReplicaUnavailable` once stopped (a
+        session whose creation was under way when the server stopped would open connections no one stops)."""
+        if self.stopped:
+            raise ReplicaUnavailable("the storage connections are stopped: the server is stopping")
         conn = self.connections.get(storage)
         if conn is None:
             conn = StorageConnection(storage, self.open_request, self.reactor, self.initial_retry, self.max_retry,
@@ -136,6 +144,7 @@ class StorageConnectionPool:
         return conn
 
     def stop(self):
+        self.stopped = True
         connections, self.connections = self.connections, {}
         return defer.DeferredList([c.stop() for c in connections.values()])
 

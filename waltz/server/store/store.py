@@ -157,7 +157,14 @@ class Store:
 
     def close_partition(self, partition_id):
         partition = self.partitions.pop(partition_id, None)
-        return partition.close() if partition is not None else defer.succeed(None)
+        if partition is None:
+            return defer.succeed(None)
+        d = partition.close()
+        if self.metrics is not None:
+            # (After the close, which ends its session's recovery.) Served elsewhere now: a state left here
+            # would mislead readers of /metrics.
+            self.metrics.partition_closed(partition_id)
+        return d
 
     @defer.inlineCallbacks
     def stop(self):
