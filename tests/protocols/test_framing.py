@@ -214,22 +214,32 @@ def test_silence_while_reading_is_paused_here_does_not_count():
     assert transport.disconnecting
 
 
-def test_silence_while_a_request_is_being_handled_here_does_not_count():
+@pytest.mark.parametrize("waiting_peer_is_silent", [True, False])
+def test_silence_while_a_request_is_being_handled_here_counts_only_for_request_servers(waiting_peer_is_silent):
     # An admin tool sends nothing while it waits for a slow answer (an assignment recovering a large log):
-    # before, the node closed its connection after the idle timeout although the wait was its own.
+    # before, the storage node closed its connection after the idle timeout although the wait was its own.
+    # A client's feed, whose server ticks whatever the client is doing, still notices a vanished server.
     held = []
     proto = RecordingProtocol(results=lambda m: held.append(defer.Deferred()) or held[-1])
+    proto.waiting_peer_is_silent = waiting_peer_is_silent
     Liveness(Clock(), interval=10, idle_timeout=30).apply(proto)
     proto, transport = ready(proto)
     proto.dataReceived(frame(b"slow"))  # below the high watermark: reading goes on
     assert not proto.reading_paused
     proto.clock.pump([10] * 10)
-    assert not transport.disconnecting
+    assert transport.disconnecting is not waiting_peer_is_silent
+    if not waiting_peer_is_silent:
+        return
     held[0].callback(None)
     proto.clock.pump([10, 10])
     assert not transport.disconnecting
     proto.clock.advance(10)
     assert transport.disconnecting
+
+
+def test_the_storage_nodes_ports_wait_for_silent_peers():
+    assert StorageServerProtocol.waiting_peer_is_silent and AdminServerProtocol.waiting_peer_is_silent
+    assert not ServerProtocol.waiting_peer_is_silent
 
 
 def test_an_idle_timeout_aborts_the_connection_at_once():

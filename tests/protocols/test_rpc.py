@@ -92,3 +92,10 @@ def logged_failures():
         assert failures, "the Deferred did not fail"
         return failures[0].value
     return failure_of
+
+
+def test_without_a_request_timeout_ticks_keep_no_record():
+    proto, transport = opened_connection(request_timeout=None)
+    ask(proto)
+    proto.clock.pump([10] * 100)
+    assert not transport.disconnecting and len(proto._ticks) == 0

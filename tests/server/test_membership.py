@@ -600,7 +600,7 @@ def test_contact_is_counted_from_syncs_with_the_leader_not_from_reads():
     assert membership._last_contact == 10            # when the sync was sent
 
 
-def test_unanswered_probes_give_the_partitions_up_while_still_connected_and_an_answer_brings_them_back():
+def test_unanswered_probes_give_the_partitions_up_while_still_connected_and_a_fresh_answer_brings_them_back():
     # A follower cut off from the leader keeps answering pings (kazoo stays connected, no SUSPENDED) but
     # never a sync: the leader may expire the session. Before, the give-up counted only while disconnected.
     clock, reports = Clock(), []
@@ -614,9 +614,20 @@ def test_unanswered_probes_give_the_partitions_up_while_still_connected_and_an_a
     clock.advance(membership.probe_interval)            # the first probe at or past 0.8 T: before T
     assert clock.seconds() < cluster.zk.session_timeout_ms / 1000.0
     assert reports == [{}] and membership.partitions == {}
-    assert not any(d.called for d in cluster.syncs)
-    cluster.syncs[0].callback("/c")                     # the leader answers again: a reconcile pass
-    assert len(cluster.descriptor_reads) == 1
+    [first_probe] = cluster.syncs
+    # A late answer to the first probe proves contact only when it was sent, long ago: taking the partitions
+    # back would give them up again at the next probe.
+    first_probe.callback("/c")
+    assert membership.given_up_while_connected is not None and cluster.descriptor_reads == []
+    # A reconcile pass meanwhile (a retry, a watch) reads through that follower: it gives nothing back.
+    membership.request_reconcile()
+    cluster.descriptor_reads.pop().callback(_descriptors(111))
+    assert membership.partitions == {} and reports == [{}]
+    clock.advance(membership.probe_interval)            # a new probe, answered at once
+    cluster.syncs[-1].callback("/c")
+    assert membership.given_up_while_connected is None
+    cluster.descriptor_reads.pop().callback(_descriptors(111))
+    assert membership.partitions == {0: 5, 1: 5} and reports == [{}, {0: 5, 1: 5}]
     membership.stop()
 
 
@@ -643,6 +654,7 @@ def test_health_reports_partitions_given_up_for_unanswered_probes_until_a_probe_
     # Before: healthy, although the server held nothing and its clients got NOT_READY.
     [problem] = service.problems()
     assert problem.startswith("partitions given up: no ZooKeeper probe answered")
-    cluster.syncs[-1].callback("/c")
+    clock.advance(membership.probe_interval)
+    cluster.syncs[-1].callback("/c")                    # a fresh answer
     assert service.problems() == []
     membership.stop()

@@ -109,6 +109,10 @@ class WaltzProtocol(Protocol):
     keepalive_interval = None
     #: Seconds without receiving anything before the connection is closed (checked at each tick).
     idle_timeout = None
+    #: Count ticks at which requests of the peer are still being handled here as heard: for request/response
+    #: servers whose peers may send nothing while they wait for an answer (an admin tool, which does not tick).
+    #: Not for a client's feed, whose server ticks whatever the client does with what it received.
+    waiting_peer_is_silent = False
     #: The reactor (or a ``Clock`` in tests) used for liveness ticks.
     clock = None
 
@@ -269,8 +273,8 @@ class WaltzProtocol(Protocol):
             return
         clock = self._clock()
         now = clock.seconds()
-        if self._received or self._read_pauses or self._pending_inbound:
-            # (Paused reading, or requests still being handled here: the silence is this side's own.)
+        if self._received or self._read_pauses or (self._pending_inbound and self.waiting_peer_is_silent):
+            # (Paused reading, or a peer waiting for answers still being worked out: the silence is this side's.)
             self._last_heard = now
         self._received = False
         if self.idle_timeout is not None and now - self._last_heard >= self.idle_timeout:

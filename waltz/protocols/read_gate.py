@@ -66,7 +66,8 @@ class ReadGate:
             while self._waiting and self._connection.closed:
                 _, done = self._waiting.popleft()
                 done.callback(None)
-            while self._waiting and self._running < self._limit and self._connection.writable:
+            while (self._waiting and self._running < self._limit and self._connection.writable
+                   and not self._connection.closed):
                 read, done = self._waiting.popleft()
                 self._running += 1
                 defer.maybeDeferred(read).addBoth(self._ended).chainDeferred(done)

@@ -103,6 +103,8 @@ class RequestClientProtocol(WaltzProtocol):
         return len(self._pending)
 
     def checkLiveness(self, now):
+        if self.request_timeout is None:
+            return
         ticks = self._ticks
         ticks.append((now, self._next_number))
         oldest = next(iter(self._pending), None)    # requests are numbered in order: the first is oldest

@@ -396,7 +396,8 @@ class RecoveryManager:
 
     def _fail(self, failure):
         if not self._complete.called:
-            self._enter(PartitionRecoveryState.FAILED, str(failure))
+            if self.state is not None:      # (one that never ran has no state to leave: no transition)
+                self._enter(PartitionRecoveryState.FAILED, str(failure))
             self._complete.errback(failure)
 
     def voted(self, recovery):

@@ -339,8 +339,10 @@ class ServerMembership:
         """ZooKeeper heard from this session at ``sent`` (reactor seconds) at the latest."""
         if self._last_contact is None or sent > self._last_contact:
             self._last_contact = sent
-        if self.given_up_while_connected is not None:
-            # The leader hears from the session again: the assignment gives the partitions back.
+        if self.given_up_while_connected is not None and (
+                self.reactor.seconds() - self._last_contact < self.give_up_after - self.probe_interval):
+            # The leader hears from the session again, recently enough that the next probe does not give
+            # them up at once (a late answer to an old probe does not): the assignment gives them back.
             self.given_up_while_connected = None
             self.request_reconcile()
 
@@ -509,6 +511,8 @@ class ServerMembership:
 
     def _adopt(self, assignment):
         self.assignment = assignment
+        if self.given_up_while_connected is not None:
+            return      # read through a follower the leader may not hear: nothing until a probe is answered
         mine = partitions_of(assignment, self.server_id)
         if mine == self.partitions:
             return

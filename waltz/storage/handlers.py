@@ -29,6 +29,7 @@ class _RequestServerProtocol(WaltzProtocol):
     #: Request class -> name of the method that serves it (returns a response or a Deferred of one).
     handlers = {}
     pause_reading_while_unwritable = True   # a peer that does not read its answers gets no more
+    waiting_peer_is_silent = True           # an admin tool sends nothing while it waits for a slow answer
     open_type = None
     failure_type = None
 

@@ -74,3 +74,23 @@ def test_closing_a_partition_forgets_its_recovery_state_metric():
     assert 'waltz_server_recovery_state{partition="3"}' in registry.prometheus_text()
     store.close_partition(3)
     assert 'waltz_server_recovery_state{partition="3"}' not in registry.prometheus_text()
+
+
+def test_a_partition_closed_while_its_session_is_created_leaves_no_recovery_state_metric():
+    # The session created after the close is closed at once, which stopped its recovery, which recorded a
+    # FAILED transition: the gauge came back for a partition served elsewhere. A recovery that never ran has
+    # no state to leave.
+    from waltz.metrics import Registry
+    from waltz.server.store.metrics import StoreMetrics
+    registry = Registry()
+    metrics = StoreMetrics(registry)
+    clock, cluster = Clock(), ClusterWithHeldSessionCreation()
+    store = Store(cluster, clock, metrics=metrics)
+    store.params = StoreParams(uuid.uuid4(), 1)
+    store.pool = Pool()
+    store.sessions = StoreSessionManager(cluster, store.pool, clock, store.replicas_of, metrics)
+    store._apply_assignment(assignment("a:1", "b:1", "c:1"))
+    store.partition(0, 5)                                   # its first session is being created
+    store.close_partition(0)
+    cluster.created.callback(PartitionMetadata(5, 1, ()))   # ZooKeeper answers after the close
+    assert 'waltz_server_recovery_state{partition="0"}' not in registry.prometheus_text()
