@@ -63,14 +63,17 @@ class ReadGate:
             return
         self._admitting = True
         try:
-            while self._waiting and self._connection.closed:
-                _, done = self._waiting.popleft()
-                done.callback(None)
-            while (self._waiting and self._running < self._limit and self._connection.writable
-                   and not self._connection.closed):
-                read, done = self._waiting.popleft()
-                self._running += 1
-                defer.maybeDeferred(read).addBoth(self._ended).chainDeferred(done)
+            # One loop, the connection looked at before each request: a read may close it (its owner's
+            # wake, re-entering, is a no-op), and what waits is then dropped here.
+            while self._waiting:
+                if self._connection.closed:
+                    self._waiting.popleft()[1].callback(None)
+                elif self._running < self._limit and self._connection.writable:
+                    read, done = self._waiting.popleft()
+                    self._running += 1
+                    defer.maybeDeferred(read).addBoth(self._ended).chainDeferred(done)
+                else:
+                    break
         finally:
             self._admitting = False
 

@@ -114,7 +114,7 @@ class RequestClientProtocol(WaltzProtocol):
         while ticks[0][1] <= oldest:                # ticks from before it was sent (the last one is after)
             ticks.popleft()
         since = ticks[0][0]                         # the first tick that saw it pending
-        if self.request_timeout is not None and now - since >= self.request_timeout:
+        if now - since >= self.request_timeout:
             self.close("request %d unanswered for %.0f s: the peer is stuck" % (oldest, now - since), abort=True)
 
     def messageReceived(self, message):
