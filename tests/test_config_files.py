@@ -77,3 +77,18 @@ def test_a_cluster_root_with_relative_components_is_refused_naming_the_key(tmp_p
     path = written(tmp_path, "zookeeper.connectString: 127.0.0.1:2181\ncluster.root: '%s'\n" % root)
     with pytest.raises(ConfigError, match="config key 'cluster.root'"):
         load_config(path, ZOOKEEPER_KEYS)
+
+
+@pytest.mark.parametrize("size, accepted", [(2 ** 22, True), (2 ** 22 + 1, False), (2 ** 30, False)])
+def test_the_lock_table_size_is_bounded_before_any_partition_opens(tmp_path, size, accepted):
+    # A table is allocated per partition when it opens, after the ports are bound: a size it could not afford
+    # must be refused when the config is read.
+    from waltz.server.config import SERVER_KEYS
+    path = written(tmp_path, "zookeeper.connectString: 127.0.0.1:2181\ncluster.root: /x\n"
+                             "server.optimisticLockTableSize: %d\n" % size)
+    if accepted:
+        assert load_config(path, SERVER_KEYS)["server.optimisticLockTableSize"] == size
+    else:
+        with pytest.raises(ConfigError, match="config key 'server.optimisticLockTableSize': expected at most "
+                                              "4194304 slots per partition"):
+            load_config(path, SERVER_KEYS)

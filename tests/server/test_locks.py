@@ -5,6 +5,7 @@ import pathlib
 import random
 import re
 import struct
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -203,6 +204,25 @@ def test_reset_raises_every_slot():
     table.reset(20)
     assert table.lock_estimate(5) == 30
     assert table.lock_estimate(6) == 20
+    assert table.check(LockRequest(write_locks=[6], read_locks=[5]), 29) == LockCheck(LockOutcome.FAILED, 30)
+    assert table.check(LockRequest(read_locks=[6]), 19) == LockCheck(LockOutcome.FAILED, 20)
+    assert table.check(LockRequest(), 19) == LockCheck(LockOutcome.GRANTED, -1)
+    table.reset(10)     # never lowers a slot
+    assert table.lock_estimate(6) == 20
+    commit(table, LockRequest(append_locks=[6]), 40)
+    assert table.lock_estimate(6) == 40
+
+
+def test_a_reset_of_the_largest_table_does_not_stall_the_reactor():
+    # reset() runs on the reactor thread when a store reports commits the partition did not make; rewriting
+    # every slot of the largest table the config accepts took most of a second.
+    from waltz.server.config import MAX_LOCK_TABLE_SIZE
+    table = LockTable(size=MAX_LOCK_TABLE_SIZE, high_water_mark=-1)
+    started = time.perf_counter()
+    for mark in range(100):
+        table.reset(mark)
+    assert time.perf_counter() - started < 0.1
+    assert table.lock_estimate(12345) == 99
 
 
 def test_lock_request_of_an_append_request():

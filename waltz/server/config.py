@@ -51,17 +51,19 @@ def partition_ids(value):
     return tuple(sorted(set(ids)))
 
 
-#: The lock table derives slots from 30 bits of each hash (waltz.server.locks.SLOT_MASK): more slots
-#: than that could never be used.
-MAX_LOCK_TABLE_SIZE = 2 ** 30
+#: The lock table is a list of slots per partition (8 bytes each), built, and rebuilt when commits it did not
+#: see raise it, on the reactor thread: 2**22 slots are 32 MiB per partition and a rebuild of about a tenth of a
+#: second. The slots come from 30 bits of each lock hash (waltz.server.locks.SLOT_MASK), so a table is never
+#: useful beyond 2**30 anyway; a value past this bound would only fail later, when a partition opens.
+MAX_LOCK_TABLE_SIZE = 2 ** 22
 
 
 def lock_table_size(value):
-    """Slots of a partition's lock table: 1 to 2**30."""
+    """Slots of a partition's lock table: 1 to :data:`MAX_LOCK_TABLE_SIZE`."""
     number = positive_int(value)
     if number > MAX_LOCK_TABLE_SIZE:
-        raise ValueError("expected at most %d slots (slots come from 30 bits of each lock hash), got %d"
-                         % (MAX_LOCK_TABLE_SIZE, number))
+        raise ValueError("expected at most %d slots per partition (8 bytes each, allocated when the partition "
+                         "opens), got %d" % (MAX_LOCK_TABLE_SIZE, number))
     return number
 
 

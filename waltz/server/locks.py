@@ -130,6 +130,9 @@ class LockTable:
             raise ValueError("the lock table size must be positive, not %d" % size)
         self.size = size
         self._marks = [high_water_mark] * size
+        # Every slot's mark is at least this (reset() raises it instead of rewriting a list of up to 2**22 slots,
+        # which took most of a second on the reactor thread).
+        self._floor = high_water_mark
         # Lock hashes that in-flight requests will raise on commit. Only the same lock can conflict: two locks
         # that merely share slots do not, so tracking hashes (not slots) avoids false waits.
         self._in_flight = {}   # lock hash -> in-flight requests updating it
@@ -168,6 +171,8 @@ class LockTable:
                 mark = other
             if mark > estimate:
                 estimate = mark
+        if hashes and estimate < self._floor:
+            estimate = self._floor
         return estimate
 
     def in_flight_conflict(self, request: LockRequest) -> bool:
@@ -227,4 +232,5 @@ class LockTable:
 
     def reset(self, high_water_mark: int):
         """Raise every slot to at least ``high_water_mark`` (after commits the table did not see)."""
-        self._marks = [max(mark, high_water_mark) for mark in self._marks]
+        if high_water_mark > self._floor:
+            self._floor = high_water_mark
