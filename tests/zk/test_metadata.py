@@ -3,13 +3,14 @@
 import attr
 import pytest
 import pytest_twisted
-from kazoo.exceptions import BadVersionError
-from twisted.internet import defer
+from kazoo.exceptions import BadVersionError, ConnectionLoss
+from twisted.internet import defer, reactor, task
 
 from tests.conftest import TEST_PARTITIONS, zk_client_for
 from waltz.zk.errors import (ClusterExistsError, ClusterNotFoundError, ConcurrentUpdateError,
                              GenerationMismatchError, LockTimeoutError, ServersRegisteredError,
                              TopologyError, ZnodeDecodeError)
+from waltz.zk.lock import ZnodeMutex
 from waltz.zk.metadata import ClusterMetadata, RetryPolicy
 from waltz.zk.znodes import (EMPTY_PARTITION_METADATA, ClusterParams, ConnectionMetadata,
                              GroupDescriptor, IdCounter, PartitionAssignment, PartitionInfo,
@@ -252,6 +253,70 @@ async def test_admin_lock_serialises_runs(cluster_metadata):
     ])
     assert results == ["a", "b"]
     assert events in (["a in", "a out", "b in", "b out"], ["b in", "b out", "a in", "a out"])
+
+
+class _RepliesWithheld:
+    """A real ZooKeeper client whose first create is applied by ZooKeeper but whose reply never arrives:
+    with ``lose`` it fails with ``ConnectionLoss`` (the connection dropped before the reply), otherwise it
+    never fires (ZooKeeper slower than the caller's timeout)."""
+
+    def __init__(self, zk, lose):
+        self._zk = zk
+        self._lose = lose
+        self.withheld = 0
+
+    def __getattr__(self, name):
+        return getattr(self._zk, name)
+
+    def create(self, *args, **kwargs):
+        applied = self._zk.create(*args, **kwargs)
+        if self.withheld:
+            return applied
+        self.withheld += 1
+        if self._lose:
+            return applied.addCallback(lambda _path: defer.fail(ConnectionLoss()))
+        return defer.Deferred()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_lock_whose_create_reply_was_lost_is_known_as_held(cluster_metadata, zookeeper):
+    # The create was applied, but the caller only heard ConnectionLoss: the next attempt finds the znode. It is
+    # this acquisition's own (its token, its session), so the lock is held, not waited for until the timeout.
+    path = cluster_metadata.paths.admin_lock
+    zk = _RepliesWithheld(cluster_metadata.zk, lose=True)
+    await ZnodeMutex(zk, path).acquire(timeout=5).addTimeout(10, reactor)
+    assert zk.withheld == 1
+    assert (await cluster_metadata.zk.exists(path)).ephemeralOwner == cluster_metadata.zk.session_id
+    other_zk = await connected(zookeeper)
+    try:
+        with pytest.raises(LockTimeoutError, match="adminLock is still held by another session after 0.2 s"):
+            await ClusterMetadata(other_zk, cluster_metadata.paths.root).admin_lock().acquire(timeout=0.2)
+    finally:
+        await other_zk.close()
+    # Another acquisition on the same session still waits for it (runs in one process are serialised).
+    with pytest.raises(LockTimeoutError, match="still held"):
+        await cluster_metadata.admin_lock().acquire(timeout=0.2)
+    await cluster_metadata.admin_lock().release()
+    assert await cluster_metadata.zk.exists(path) is None
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_unanswered_lock_create_is_bounded_by_the_timeout_and_undone(cluster_metadata):
+    # The create is applied but its answer does not come within the timeout: acquire fails at the timeout
+    # (it waited for ever), and the znode the late create left behind is deleted, not held until the session
+    # ends.
+    path = cluster_metadata.paths.admin_lock
+    zk = _RepliesWithheld(cluster_metadata.zk, lose=False)
+    started = reactor.seconds()
+    with pytest.raises(LockTimeoutError, match="adminLock: ZooKeeper did not answer within 0.3 s"):
+        await ZnodeMutex(zk, path).acquire(timeout=0.3).addTimeout(10, reactor)
+    assert reactor.seconds() - started < 5
+    for _ in range(100):
+        if await cluster_metadata.zk.exists(path) is None:
+            break
+        await task.deferLater(reactor, 0.05, lambda: None)
+    assert await cluster_metadata.zk.exists(path) is None
+    await cluster_metadata.admin_lock().acquire(timeout=1)
 
 
 @pytest_twisted.ensureDeferred
