@@ -1200,10 +1200,9 @@ class DroppingContext(RecordingContext):
         self.client.set_partitions([])
 
 
-def test_a_partition_dropped_by_a_completion_hook_applies_that_transaction_but_does_not_count_it(harness):
-    # The completion hook runs before the transaction is applied; dropping the partition there drops the
-    # feed: the transaction is still handed to apply_transaction (as any item being applied when its feed
-    # is dropped), but the client does not count it as applied, and the partition becomes inactive.
+def test_a_partition_dropped_by_a_completion_hook_applies_that_transaction_then_unmounts(harness):
+    # The completion hook runs just before the transaction is applied: the partition unmounts once that apply
+    # has ended, and the transaction counts as applied, as the application recorded it.
     client = harness.client(**{"client.autoMount": False})
     client.set_partitions([0])
     harness.settle()
@@ -1213,7 +1212,8 @@ def test_a_partition_dropped_by_a_completion_hook_applies_that_transaction_but_d
     assert result.called and result.result.committed
     assert client.callbacks.applied_ids(0) == [0]
     assert client.partition_state(0) is PartitionState.INACTIVE
-    assert client.client_high_water_mark(0) == -1
+    assert client.client_high_water_mark(0) == 0
+    assert context.events[-1] == "application"
 
 
 def test_an_own_transaction_whose_apply_fails_is_retried_and_then_applied_once(harness):
@@ -1251,7 +1251,7 @@ class DroppingCallbacks(RecordingCallbacks):
 
 
 @pytest.mark.parametrize("outcome", ["raise", "hold", "return"])
-def test_an_apply_that_drops_its_partition_is_not_retried_nor_counted_and_the_partition_comes_back_clean(
+def test_an_apply_that_drops_its_partition_ends_first_is_not_retried_and_the_partition_comes_back_clean(
         harness, outcome):
     callbacks = DroppingCallbacks(outcome)
     client = harness.client(callbacks, **{"client.autoMount": False})
@@ -1260,10 +1260,13 @@ def test_an_apply_that_drops_its_partition_is_not_retried_nor_counted_and_the_pa
     harness.settle()
     harness.commit(0)
     harness.settle(600)                     # past any retry of the failed apply
-    callbacks.release()                      # a held apply ends now: its outcome is ignored
+    # The partition unmounts once the apply that dropped it has ended (a held one, when it fires).
+    assert client.partition_state(0) is (PartitionState.MOUNTED if outcome == "hold" else PartitionState.INACTIVE)
+    callbacks.release()
     harness.settle()
     assert client.partition_state(0) is PartitionState.INACTIVE
-    assert callbacks.calls == [0] and client.client_high_water_mark(0) == -1
+    # A failed apply is not retried once its partition is dropped, nor counted; one that returned is counted.
+    assert callbacks.calls == [0] and client.client_high_water_mark(0) == (-1 if outcome == "raise" else 0)
     callbacks.hold = False
     client.set_partitions([0])               # mounted again from the application's own mark
     harness.settle()
@@ -1301,7 +1304,9 @@ def test_a_partition_added_back_while_the_apply_that_dropped_it_runs_waits_for_t
         callbacks.hold = True
         client.execute(DroppingContext(client))
     harness.settle()
-    assert client.partition_state(0) is PartitionState.INACTIVE
+    # Dropped by the apply itself, the partition waits for that apply before it unmounts; dropped by the hook
+    # while the transaction was not being applied yet (the apply was held), it is inactive.
+    assert not client.partitions
     assert callbacks.calls == [0] and len(callbacks.pending) == 1      # its apply still runs
     client.set_partitions([0])
     harness.settle()
@@ -1312,6 +1317,80 @@ def test_a_partition_added_back_while_the_apply_that_dropped_it_runs_waits_for_t
     assert client.partition_state(0) is PartitionState.MOUNTED
     harness.commit(0)
     assert callbacks.calls == [0, 1] and client.client_high_water_mark(0) == 1
+
+
+class ReaddingCallbacks(RecordingCallbacks):
+    """The application drops its partition and adds it back, synchronously, from inside apply_transaction of
+    transaction ``txn`` (the first time), then applies that transaction (raising first, with ``fail``)."""
+
+    def __init__(self, txn, fail=False):
+        super().__init__()
+        self.client = None
+        self.calls = []
+        self.txn = txn
+        self.fail = fail
+
+    def apply_transaction(self, transaction):
+        self.calls.append(transaction.transaction_id)
+        if self.calls.count(self.txn) == 1 and transaction.transaction_id == self.txn:
+            self.client.set_partitions([])
+            self.client.set_partitions([0])
+            if self.fail:
+                raise RuntimeError("apply failed after dropping and re-adding its partition")
+        return super().apply_transaction(transaction)
+
+
+class ReaddingContext(RecordingContext):
+    """On completion, the application drops the transaction's partition and adds it back, synchronously."""
+
+    def __init__(self, client):
+        super().__init__()
+        self.client = client
+
+    def on_completion(self, result):
+        super().on_completion(result)
+        self.client.set_partitions([])
+        self.client.set_partitions([0])
+
+
+def test_a_partition_dropped_and_added_back_by_a_completion_hook_delivers_nothing_twice(harness):
+    # The hook runs just before the transaction is applied: re-added there, the partition read the application's
+    # mark before that apply and delivered the transaction again.
+    callbacks = CountingCallbacks()
+    client = harness.client(callbacks, **{"client.autoMount": False})
+    client.set_partitions([0])
+    harness.settle()
+    result = client.execute(ReaddingContext(client))
+    harness.settle()
+    assert result.called and result.result.committed
+    harness.commit(0)
+    harness.settle()
+    assert callbacks.calls == [0, 1] and client.client_high_water_mark(0) == 1
+    assert client.partition_state(0) is PartitionState.MOUNTED
+
+
+@pytest.mark.parametrize("fail", [False, True])
+@pytest.mark.parametrize("queued", [False, True])
+def test_a_partition_dropped_and_added_back_inside_a_synchronous_apply_delivers_nothing_twice(
+        harness, fail, queued):
+    # The partition was INACTIVE, and active again, before that apply returned: it read the application's mark,
+    # which did not show the transaction yet, and delivered it again. Transaction 1 is applied at once as it
+    # arrives, or (``queued``) from the feed queue, behind a held apply of transaction 0.
+    callbacks = ReaddingCallbacks(1, fail)
+    client = harness.client(callbacks, **{"client.autoMount": False})
+    callbacks.client = client
+    client.set_partitions([0])
+    harness.settle()
+    callbacks.hold = queued
+    harness.commit(0)
+    harness.commit(0)
+    callbacks.hold = False
+    callbacks.release()
+    harness.commit(0)
+    harness.settle(600)         # past any retry of the failed apply
+    assert callbacks.calls == ([0, 1, 1, 2] if fail else [0, 1, 2])     # a failed apply is delivered again, once
+    assert callbacks.applied_ids() == [0, 1, 2] and client.client_high_water_mark(0) == 2
+    assert client.partition_state(0) is PartitionState.MOUNTED and client.partitions == {0}
 
 
 def test_a_failed_apply_of_the_clients_own_transaction_lets_the_next_execution_start_at_once(harness):

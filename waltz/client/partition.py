@@ -204,9 +204,8 @@ class ClientPartition:
         if self.state not in (PartitionState.CLIENT_AHEAD, PartitionState.INACTIVE):
             return
         # The application's mark is read afresh: an apply still running must end first, else the mark
-        # misses it and the transaction is delivered again, concurrently. (A partition dropped from inside
-        # apply_transaction, or from the completion hook that runs just before it, became INACTIVE before
-        # that apply returned its Deferred.)
+        # misses it and the transaction is delivered again. (A partition is found CLIENT_AHEAD while it may
+        # still be applying.)
         if self._apply_in_flight:
             self._activate_after_apply = True
             return
@@ -382,15 +381,19 @@ class ClientPartition:
         at the head of the queue all along.
         """
         epoch = self._feed_epoch
+        self._apply_in_flight = True    # from the completion hooks on (see _apply)
         submission = self._detect(req_id, txn) if req_id.client_id == self.client_id else None
-        # (Applied even when the completion hooks dropped the feed: so is a queued item being applied then.)
         failure = None
         try:
             result = self._callbacks.apply_transaction(Transaction(self.partition_id, txn, header, req_id, self))
         except Exception:
             failure = Failure()
+            result = None
+        deferred = is_deferred(result)
+        if not deferred:
+            self._apply_in_flight = False
         dropped = self._feed_epoch != epoch or self.state is PartitionState.CLOSED
-        if failure is None and not dropped and not is_deferred(result):
+        if failure is None and not dropped and not deferred:
             self._apply_failures = 0
             self.applied_hwm = txn
             if submission is not None:
@@ -482,6 +485,10 @@ class ClientPartition:
         return submission
 
     def _apply(self, item):
+        # In flight from here (the completion hooks that _detect runs, then apply_transaction) until the apply
+        # ends: an application that drops the partition meanwhile (and perhaps adds it back) must not see it
+        # deactivated, nor have its mark re-read, before then, or the transaction would be delivered again.
+        self._apply_in_flight = True
         if not item.detected:
             item.detected = True
             # Most of the feed is other clients' transactions: only this client's can settle an append.
