@@ -47,7 +47,7 @@ steps again when it is back (its vote, a fact about durable data, stands).
 import enum
 
 import attr
-from twisted.internet import defer, task
+from twisted.internet import defer
 from twisted.logger import Logger
 
 from waltz.recovery.replica_reads import RECORDS, read_from_any
@@ -131,6 +131,7 @@ class ReplicaRecovery:
         self._raising = False       # a copy raising the vote is running (see raise_vote)
         self._raised = False        # a copy raising the vote ran: max_transaction_id may be stale
         self._raise_waiters = []    # Deferreds fired when the copy raising the vote ends
+        self._retry = None          # the DelayedCall of the next attempt after a failed step
 
     def _enter(self, state):
         previous, self.state = self.state, state
@@ -301,8 +302,19 @@ class ReplicaRecovery:
         self.log.info("recovery of partition {pid} on {storage} interrupted in {state}: {reason}; will retry",
                       pid=self.manager.partition_id, storage=self.storage, state=self.state.value,
                       reason=failure.getErrorMessage())
-        d = task.deferLater(self.manager.reactor, self.manager.retry_interval, lambda: None)
-        d.addCallback(lambda _: self._attempt())
+        self._retry = self.manager.reactor.callLater(self.manager.retry_interval, self._retry_now)
+
+    def _retry_now(self):
+        self._retry = None
+        self._attempt()
+
+    def stop(self, reason):
+        """The recovery stopped: a pending retry is cancelled and the replica abandoned now (the steps that
+        are running notice at their next step)."""
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+            self._abandon(reason)
 
     def _abandon(self, reason):
         self._enter(ReplicaRecoveryState.ABANDONED)
@@ -374,6 +386,9 @@ class RecoveryManager:
 
     def run(self) -> defer.Deferred:
         """Start every replica's recovery; fires with a :class:`RecoveryResult` at quorum."""
+        if self.stopped:
+            return defer.fail(RecoveryAborted("recovery of partition %d session %d stopped before it ran"
+                                              % (self.partition_id, self.session_id)))
         self._enter(PartitionRecoveryState.VOTING)
         for recovery in self.recoveries.values():
             recovery.start()
@@ -392,13 +407,18 @@ class RecoveryManager:
         self._usher_waiters, self._resolution_waiters = [], []
         for waiter in waiters:
             waiter.errback(failure)
+        for recovery in self.recoveries.values():
+            recovery.stop(failure)
         self._fail(failure)
 
     def _fail(self, failure):
         if not self._complete.called:
-            if self.state is not None:      # (one that never ran has no state to leave: no transition)
+            ran = self.state is not None
+            if ran:      # (one that never ran has no state to leave: no transition)
                 self._enter(PartitionRecoveryState.FAILED, str(failure))
             self._complete.errback(failure)
+            if not ran:
+                self._complete.addErrback(lambda _: None)   # nobody called run(): nobody listens
 
     def voted(self, recovery):
         """A replica voted: decide the closing high-water mark if it is decidable now."""
