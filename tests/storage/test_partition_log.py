@@ -354,6 +354,41 @@ def test_a_truncation_that_cannot_reopen_a_damaged_segment_makes_the_log_unusabl
             attempt()
 
 
+def open_descriptors():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def damage_record(log, first, position):
+    """Flip a data byte of the record at ``position`` in segment ``first`` (records of 60 bytes)."""
+    path = os.path.join(log.directory, data_file_name(first))
+    with open(path, "r+b") as f:
+        f.seek(128 + position * 60 + 40)
+        byte = f.read(1)
+        f.seek(128 + position * 60 + 40)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+@pytest.mark.parametrize("failing", ["open", "truncation"])
+def test_a_segment_that_fails_its_recovery_is_closed(tmp_path, failing):
+    # Its data and index files stayed open: two descriptors per failed attempt to open the partition (each
+    # re-assignment of a damaged partition tries again), and per truncation that could not reopen a segment.
+    before = open_descriptors()
+    log = open_log(tmp_path, segment_size_threshold=SMALL)
+    log.append(small_records(0, 12))          # segments 0, 4, 8
+    if failing == "open":
+        damage_record(log, 8, 1)              # record 9, in the middle of the newest segment: damage, not torn
+        log.close()
+        for _ in range(3):
+            with pytest.raises(CorruptedRecord):
+                open_log(tmp_path, segment_size_threshold=SMALL)
+    else:
+        damage_record(log, 4, 3)              # record 7: segment 4 cannot be reopened to truncate to 6
+        with pytest.raises(CorruptedRecord):
+            log.truncate(6)
+        log.close()
+    assert open_descriptors() == before
+
+
 def test_a_truncation_that_fails_to_open_the_segment_to_keep_makes_the_log_unusable(small_log, monkeypatch):
     small_log.append(small_records(0, 12))   # segments 0, 4, 8
 

@@ -302,6 +302,50 @@ async def test_unassigning_with_delete_repairs_a_corrupted_control_record(tmp_pa
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_partition_whose_log_fails_to_open_reports_its_recorded_session(tmp_path):
+    # Its control record is sound: the admin port answered -1 for session and marks (so tools sent session -1).
+    directory = str(tmp_path / "storage")
+    first = Harness(directory)
+    await first.start()
+    await assign(first, 0)
+    s = await first.connect()
+    await s.request(sm.AppendRequest(5, 0, 0, records(0, 5), False))
+    await s.request(sm.SetLowWaterMarkRequest(5, 1, 0, 4, False))
+    await first.stop()
+    with open(os.path.join(directory, "0", "%019d.seg" % 0), "r+b") as f:   # damage record 4, a trusted one
+        f.seek(128 + 4 * 140 + 40)
+        f.write(b"\x00\x01")
+    second = Harness(directory)
+    await second.start()
+    try:
+        assert "failed to open" in second.node.partitions[0].problem
+        admin = await second.connect(admin=True)
+        info = await admin.request(am.LastSessionInfoRequest(0, 0))
+        recorded = second.node.control.partition_info(0)
+        assert recorded.session_id == 5
+        assert (info.last_session_id, info.low_water_mark, info.local_low_water_mark) == \
+            (recorded.session_id, recorded.low_water_mark, recorded.local_low_water_mark)
+    finally:
+        await second.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_truncation_below_the_local_low_water_mark_is_refused(harness):
+    # Transactions up to it were committed, and recovery trusts the index up to it: cutting below it (no
+    # recovery asks that) would lose them, and a later open would trust index entries never checked.
+    await assign(harness, 0)
+    s = await harness.connect()
+    await s.request(sm.AppendRequest(5, 0, 0, records(0, 5), False))
+    await s.request(sm.SetLowWaterMarkRequest(5, 1, 0, 4, False))
+    await s.request(sm.AppendRequest(5, 2, 0, records(5, 3), False))
+    with pytest.raises(RemoteError, match="cannot truncate partition 0 to 3: transactions up to its local "
+                                          "low-water mark 4 are committed"):
+        await s.request(sm.TruncateRequest(5, 3, 0, 3, False))
+    assert (await s.request(sm.MaxTransactionIdRequest(5, 4, 0, False))).transaction_id == 7
+    assert (await s.request(sm.TruncateRequest(5, 5, 0, 4, False))).transaction_id == 4
+
+
+@pytest_twisted.ensureDeferred
 async def test_deleting_a_partition_resets_its_record_before_its_files_go(harness, monkeypatch):
     # A crash must never leave a record claiming the last session beside missing segments: the replica
     # would vote with an empty log. The files go after the record, and in one rename.

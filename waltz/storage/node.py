@@ -171,8 +171,11 @@ class StorageNode:
         partition.worker = worker
         worker.start()
         try:
-            info, log = yield worker.submit(self._open_files, pid)
-            partition.info, partition.session_id, partition.log = info, info.session_id, log
+            # The control record first: a partition whose log fails to open still reports its real session and
+            # marks (the admin port answered -1 for them, and tools then sent session -1).
+            info = yield worker.submit(self.control.partition_info, pid)
+            partition.info, partition.session_id = info, info.session_id
+            partition.log = yield worker.submit(self._open_log, pid, info)
         except Exception as exc:
             partition.failure = str(exc)
             self.log.error("partition {pid} failed to open: {reason}", pid=pid, reason=exc)
@@ -185,14 +188,12 @@ class StorageNode:
             partition.log.sync()
         return sync
 
-    def _open_files(self, pid):
-        """(worker thread) Read the partition's control record and open (recover) its log."""
-        info = self.control.partition_info(pid)
-        log = PartitionLog.open(self.directory, self.control.key, pid,
-                                local_low_water_mark=info.local_low_water_mark,
-                                segment_size_threshold=self.segment_size_threshold,
-                                segment_cache_capacity=self.segment_cache_capacity)
-        return info, log
+    def _open_log(self, pid, info):
+        """(worker thread) Open (recover) the log of partition ``pid``, whose control record is ``info``."""
+        return PartitionLog.open(self.directory, self.control.key, pid,
+                                 local_low_water_mark=info.local_low_water_mark,
+                                 segment_size_threshold=self.segment_size_threshold,
+                                 segment_cache_capacity=self.segment_cache_capacity)
 
     def _administered(self, pid, function, *args):
         """Run ``function(*args)`` (which may return a Deferred) after the admin operations on partition

@@ -195,6 +195,12 @@ class StoragePartition:
         return self._reply(message, sm.SuccessResponse)
 
     def _truncate(self, message):
+        # Transactions up to the local low-water mark were committed in an earlier session (its recovery set the
+        # mark), and recovery trusts the index up to it: no recovery asks to cut below it.
+        if message.transaction_id < self.info.local_low_water_mark:
+            raise StorageError("cannot truncate partition %d to %d: transactions up to its local low-water mark "
+                               "%d are committed" % (self.partition_id, message.transaction_id,
+                                                     self.info.local_low_water_mark))
         self.log.truncate(message.transaction_id)
         return self._reply(message, sm.MaxTransactionIdResponse, self.log.max_transaction_id)
 

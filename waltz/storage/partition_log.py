@@ -122,8 +122,7 @@ class PartitionLog:
         remove_stray_files(log.directory)
         log._segment_ids = list_segments(log.directory)
         if log._segment_ids:
-            log._active = log._open_segment(log._segment_ids[-1], read_only=False)
-            log.recovery = log._active.recover(local_low_water_mark)
+            log._active, log.recovery = log._open_recovered(log._segment_ids[-1], local_low_water_mark)
         return log
 
     # -- state -------------------------------------------------------------------------------
@@ -297,11 +296,21 @@ class PartitionLog:
         cached = self._cache.pop(first, None)
         if cached is not None:
             cached.close()
-        segment = self._open_segment(first, read_only=False)
         # The newest segment is always a recovered one. This one was synced, index included, when the log
         # rolled past it: its index is trusted whole (a record damaged since is found by reads, not cut here).
-        segment.recover(sealed=True)
+        segment, _ = self._open_recovered(first, sealed=True)
         return segment
+
+    def _open_recovered(self, first: int, *args, **kwargs):
+        """Open segment ``first`` for writing and recover it (``Segment.recover``'s arguments): the segment and
+        what its recovery reports. A segment that fails its recovery is closed (its files stayed open, two
+        descriptors per failed attempt to open the partition)."""
+        segment = self._open_segment(first, read_only=False)
+        try:
+            return segment, segment.recover(*args, **kwargs)
+        except BaseException:
+            segment.close_without_sync()
+            raise
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -566,6 +566,10 @@ class Segment:
         finally:
             self._close_files()
 
+    def close_without_sync(self) -> None:
+        """Close both files, syncing nothing (a segment that failed its recovery: nothing of it is trusted)."""
+        self._close_files()
+
     def delete_files(self) -> None:
         """Close the segment (no sync: it is going away) and remove its two files.
 
