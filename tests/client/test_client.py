@@ -1393,6 +1393,46 @@ def test_a_partition_dropped_and_added_back_inside_a_synchronous_apply_delivers_
     assert client.partition_state(0) is PartitionState.MOUNTED and client.partitions == {0}
 
 
+class ReaddingOnFailure(RecordingCallbacks):
+    """apply_transaction fails once; the application's uncaught_exception then drops its partition and adds it
+    back, and applies slowly from then on (a pending Deferred)."""
+
+    def __init__(self):
+        super().__init__()
+        self.client = None
+        self.calls = []
+        self.fail_next = 1
+
+    def apply_transaction(self, transaction):
+        self.calls.append(transaction.transaction_id)
+        return super().apply_transaction(transaction)
+
+    def uncaught_exception(self, partition_id, transaction_id, exception):
+        super().uncaught_exception(partition_id, transaction_id, exception)
+        if len(self.errors) == 1:
+            self.client.set_partitions([])
+            self.client.set_partitions([0])
+            self.hold = True
+
+
+def test_a_partition_dropped_and_added_back_from_uncaught_exception_applies_nothing_twice_at_once(harness):
+    # The retry of the failed apply was armed after uncaught_exception had dropped the feed: it fired beside the
+    # redelivery of the same transaction and applied it again while that apply was still running.
+    callbacks = ReaddingOnFailure()
+    client = harness.client(callbacks, **{"client.autoMount": False})
+    callbacks.client = client
+    client.set_partitions([0])
+    harness.settle()
+    harness.commit(0)
+    harness.settle(5)               # past any retry
+    assert callbacks.calls == [0, 0] and len(callbacks.pending) == 1     # failed, then redelivered (held)
+    callbacks.hold = False
+    callbacks.release()
+    harness.settle()
+    assert callbacks.calls == [0, 0] and callbacks.applied_ids() == [0]
+    assert client.client_high_water_mark(0) == 0
+
+
 def test_a_failed_apply_of_the_clients_own_transaction_lets_the_next_execution_start_at_once(harness):
     client = harness.client(**{"client.maxConcurrentTransactions": 1})
     first, second = RecordingContext(), RecordingContext()

@@ -255,6 +255,47 @@ async def test_admin_lock_serialises_runs(cluster_metadata):
     assert events in (["a in", "a out", "b in", "b out"], ["b in", "b out", "a in", "a out"])
 
 
+class _FirstReadLost:
+    """A real ZooKeeper client whose first create never answers (applied, its reply slower than the timeout),
+    and whose first read without a watch loses its connection after ZooKeeper answered it."""
+
+    def __init__(self, zk):
+        self._zk = zk
+        self.creates = 0
+        self.lost_reads = 0
+
+    def __getattr__(self, name):
+        return getattr(self._zk, name)
+
+    def create(self, *args, **kwargs):
+        applied = self._zk.create(*args, **kwargs)
+        self.creates += 1
+        return applied if self.creates > 1 else defer.Deferred()
+
+    def get(self, path, watch=None):
+        if watch is None and not self.lost_reads:
+            self.lost_reads += 1
+            return self._zk.get(path).addCallback(lambda _: defer.fail(ConnectionLoss()))
+        return self._zk.get(path, watch=watch)
+
+
+@pytest_twisted.ensureDeferred
+async def test_undoing_an_unanswered_lock_create_survives_a_lost_read(cluster_metadata):
+    # The read that decides whether the late create made the znode lost its connection: it was not sent again,
+    # and the znode stayed, holding the lock for nobody until the session ended.
+    path = cluster_metadata.paths.admin_lock
+    zk = _FirstReadLost(cluster_metadata.zk)
+    with pytest.raises(LockTimeoutError, match="did not answer"):
+        await ZnodeMutex(zk, path).acquire(timeout=0.3).addTimeout(10, reactor)
+    for _ in range(100):
+        if await cluster_metadata.zk.exists(path) is None:
+            break
+        await task.deferLater(reactor, 0.05, lambda: None)
+    assert zk.lost_reads == 1
+    assert await cluster_metadata.zk.exists(path) is None
+    await cluster_metadata.admin_lock().acquire(timeout=1)
+
+
 class _RepliesWithheld:
     """A real ZooKeeper client whose first create is applied by ZooKeeper but whose reply never arrives:
     with ``lose`` it fails with ``ConnectionLoss`` (the connection dropped before the reply), otherwise it

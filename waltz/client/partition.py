@@ -382,7 +382,11 @@ class ClientPartition:
         """
         epoch = self._feed_epoch
         self._apply_in_flight = True    # from the completion hooks on (see _apply)
-        submission = self._detect(req_id, txn) if req_id.client_id == self.client_id else None
+        try:
+            submission = self._detect(req_id, txn) if req_id.client_id == self.client_id else None
+        except BaseException:
+            self._apply_in_flight = False   # (hooks run guarded: only a bug gets here; never block deactivation)
+            raise
         failure = None
         try:
             result = self._callbacks.apply_transaction(Transaction(self.partition_id, txn, header, req_id, self))
@@ -493,7 +497,11 @@ class ClientPartition:
             item.detected = True
             # Most of the feed is other clients' transactions: only this client's can settle an append.
             if item.req_id.client_id == self.client_id:
-                item.submission = self._detect(item.req_id, item.transaction_id)
+                try:
+                    item.submission = self._detect(item.req_id, item.transaction_id)
+                except BaseException:
+                    self._apply_in_flight = False
+                    raise
         transaction = Transaction(self.partition_id, item.transaction_id, item.header, item.req_id, self)
         # Called directly rather than through maybeDeferred: the usual apply is synchronous, and
         # two Deferreds per item per client were a large share of the client's CPU per transaction.
@@ -544,6 +552,11 @@ class ClientPartition:
         log.failure("partition {pid}: apply_transaction failed for transaction {txn}; retrying in {delay} s",
                     failure, pid=self.partition_id, txn=item.transaction_id, delay=delay)
         self._report(item.transaction_id, failure.value)
+        if self.state is PartitionState.CLOSED or not self._feed or self._feed[0] is not item:
+            # uncaught_exception dropped the feed (closed, or dropped and re-added the partition): a retry armed
+            # now would apply the item again beside its redelivery.
+            self._resume_activation()
+            return
         self._later("apply", delay, self._retry_apply)
         self._finish_deactivation()     # a deactivation waiting for this apply goes on (no retry then)
         self._resume_activation()       # so does an activation (which drops the retry)

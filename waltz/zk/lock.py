@@ -82,13 +82,24 @@ class ZnodeMutex:
 
     def _abandon(self, token):
         """A create given up on may still be applied (ZooKeeper answers a session's requests in order, so a
-        read sent now is answered after it): delete the znode if it turns out to be that create's."""
+        read sent now is answered after it): delete the znode if it turns out to be that create's. A read or
+        delete that loses its connection is sent again (kazoo holds it until the session reconnects) as long as
+        the session lasts: a znode left behind would hold the lock for nobody until the session ends."""
+        session = self._zk.session_id
+
         def check(result):
             data, stat = result
-            if data == token and stat.ephemeralOwner == self._zk.session_id:
+            if data == token and stat.ephemeralOwner == session:
                 return self._zk.delete(self.path, version=stat.version)
+
+        def lost(reason):
+            reason.trap(ConnectionLoss)
+            if self._zk.session_id == session:
+                self._abandon(token)
+
         d = self._zk.get(self.path).addCallback(check)
-        d.addErrback(lambda _reason: None)  # best effort: the znode is ephemeral, it goes with the session
+        d.addErrback(lost)
+        d.addErrback(lambda _reason: None)  # gone already, session over: the znode is ephemeral, it went with it
 
     @defer.inlineCallbacks
     def release(self):
