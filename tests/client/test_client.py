@@ -1189,15 +1189,19 @@ def test_a_slow_application_pauses_reading_the_stream_connection(harness):
 
 
 class DroppingContext(RecordingContext):
-    """On completion, the application drops the transaction's partition (``client.set_partitions([])``)."""
+    """On completion, the application drops the transaction's partition (``client.set_partitions([])``), and
+    with ``add_back`` adds it back at once."""
 
-    def __init__(self, client):
+    def __init__(self, client, add_back=False):
         super().__init__()
         self.client = client
+        self.add_back = add_back
 
     def on_completion(self, result):
         super().on_completion(result)
         self.client.set_partitions([])
+        if self.add_back:
+            self.client.set_partitions([0])
 
 
 def test_a_partition_dropped_by_a_completion_hook_applies_that_transaction_then_unmounts(harness):
@@ -1340,19 +1344,6 @@ class ReaddingCallbacks(RecordingCallbacks):
         return super().apply_transaction(transaction)
 
 
-class ReaddingContext(RecordingContext):
-    """On completion, the application drops the transaction's partition and adds it back, synchronously."""
-
-    def __init__(self, client):
-        super().__init__()
-        self.client = client
-
-    def on_completion(self, result):
-        super().on_completion(result)
-        self.client.set_partitions([])
-        self.client.set_partitions([0])
-
-
 def test_a_partition_dropped_and_added_back_by_a_completion_hook_delivers_nothing_twice(harness):
     # The hook runs just before the transaction is applied: re-added there, the partition read the application's
     # mark before that apply and delivered the transaction again.
@@ -1360,7 +1351,7 @@ def test_a_partition_dropped_and_added_back_by_a_completion_hook_delivers_nothin
     client = harness.client(callbacks, **{"client.autoMount": False})
     client.set_partitions([0])
     harness.settle()
-    result = client.execute(ReaddingContext(client))
+    result = client.execute(DroppingContext(client, add_back=True))
     harness.settle()
     assert result.called and result.result.committed
     harness.commit(0)
