@@ -381,12 +381,7 @@ class ClientPartition:
         at the head of the queue all along.
         """
         epoch = self._feed_epoch
-        self._apply_in_flight = True    # from the completion hooks on (see _apply)
-        try:
-            submission = self._detect(req_id, txn) if req_id.client_id == self.client_id else None
-        except BaseException:
-            self._apply_in_flight = False   # (hooks run guarded: only a bug gets here; never block deactivation)
-            raise
+        submission = self._start_applying(req_id, txn, True)
         failure = None
         try:
             result = self._callbacks.apply_transaction(Transaction(self.partition_id, txn, header, req_id, self))
@@ -488,20 +483,27 @@ class ClientPartition:
             submission.committed(txn)
         return submission
 
-    def _apply(self, item):
-        # In flight from here (the completion hooks that _detect runs, then apply_transaction) until the apply
-        # ends: an application that drops the partition meanwhile (and perhaps adds it back) must not see it
-        # deactivated, nor have its mark re-read, before then, or the transaction would be delivered again.
+    def _start_applying(self, req_id, txn, detect):
+        """An apply starts: in flight from here (the completion hooks that :meth:`_detect` runs, then
+        ``apply_transaction``) until it ends, so that an application dropping the partition meanwhile (and
+        perhaps adding it back) does not see it deactivated, nor has its mark re-read, before then: the
+        transaction would be delivered again. With ``detect``, this client's own transaction is settled first:
+        its submission, or None."""
         self._apply_in_flight = True
+        # Most of the feed is other clients' transactions: only this client's can settle an append.
+        if not detect or req_id.client_id != self.client_id:
+            return None
+        try:
+            return self._detect(req_id, txn)
+        except BaseException:
+            self._apply_in_flight = False   # (hooks run guarded: only a bug gets here; never block deactivation)
+            raise
+
+    def _apply(self, item):
+        submission = self._start_applying(item.req_id, item.transaction_id, not item.detected)
         if not item.detected:
             item.detected = True
-            # Most of the feed is other clients' transactions: only this client's can settle an append.
-            if item.req_id.client_id == self.client_id:
-                try:
-                    item.submission = self._detect(item.req_id, item.transaction_id)
-                except BaseException:
-                    self._apply_in_flight = False
-                    raise
+            item.submission = submission
         transaction = Transaction(self.partition_id, item.transaction_id, item.header, item.req_id, self)
         # Called directly rather than through maybeDeferred: the usual apply is synchronous, and
         # two Deferreds per item per client were a large share of the client's CPU per transaction.

@@ -51,10 +51,10 @@ def partition_ids(value):
     return tuple(sorted(set(ids)))
 
 
-#: The lock table is a list of slots per partition (8 bytes each), built, and rebuilt when commits it did not
-#: see raise it, on the reactor thread: 2**22 slots are 32 MiB per partition and a rebuild of about a tenth of a
-#: second. The slots come from 30 bits of each lock hash (waltz.server.locks.SLOT_MASK), so a table is never
-#: useful beyond 2**30 anyway; a value past this bound would only fail later, when a partition opens.
+#: The lock table is a list of slots per partition (8 bytes each), allocated on the reactor thread when the
+#: partition opens: 2**22 slots are 32 MiB per partition. (The slots come from 30 bits of each lock hash,
+#: waltz.server.locks.SLOT_MASK, so more than 2**30 could never be used.) A size past the bound is refused when
+#: the config is read, not when a partition opens after the ports are bound.
 MAX_LOCK_TABLE_SIZE = 2 ** 22
 
 
