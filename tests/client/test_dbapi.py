@@ -141,6 +141,58 @@ def test_the_error_that_broke_an_apply_is_the_one_reported(bank):
     assert state(bank.path) == (105, 0)
 
 
+def test_a_failed_run_in_database_leaves_nothing_for_the_next_apply_to_commit(bank):
+    # The helper's own connection ran the failed call: its write used to stay in the open database
+    # transaction, and the next apply committed it together with that transaction's mark.
+    bank.get_client_high_water_mark(0)
+
+    def half_done(connection):
+        connection.execute("UPDATE ACCOUNTS SET BALANCE = BALANCE + 1000 WHERE ID = 1")
+        raise RuntimeError("application error half-way")
+    failures = []
+    bank.run_in_database(half_done).addErrback(failures.append)
+    assert failures and failures[0].check(RuntimeError)
+    assert bank.apply_transaction(transaction(0, 5)).result is True
+    assert state(bank.path) == (105, 0)
+
+
+def test_what_run_in_database_leaves_uncommitted_is_rolled_back_and_what_it_commits_stays(bank):
+    bank.get_client_high_water_mark(0)
+
+    def forgets_to_commit(connection):
+        connection.execute("UPDATE ACCOUNTS SET BALANCE = BALANCE + 1000 WHERE ID = 1")
+        return "done"
+
+    def commits(connection):
+        connection.execute("UPDATE ACCOUNTS SET BALANCE = BALANCE + 1 WHERE ID = 1")
+        connection.commit()
+    assert bank.run_in_database(forgets_to_commit).result == "done"
+    bank.run_in_database(commits)
+    assert bank.apply_transaction(transaction(0, 5)).result is True
+    assert state(bank.path) == (106, 0)
+
+
+class FailingCursor:
+    def execute(self, *args):
+        raise RuntimeError("permission denied")
+
+    def close(self):
+        pass
+
+
+def test_a_failed_create_table_rolls_back(tmp_path):
+    # Some drivers (psycopg) abort the whole transaction on an error: the next call on the connection
+    # failed too unless it was rolled back.
+    calls = []
+    connection = FakeConnection(cursor=FailingCursor, rollback=lambda: calls.append("rollback"),
+                                commit=lambda: calls.append("commit"))
+    callbacks = Bank(lambda: connection, run=sync)
+    failures = []
+    callbacks.create_table().addErrback(failures.append)
+    assert failures and failures[0].check(RuntimeError)
+    assert calls == ["rollback"]
+
+
 def test_a_mark_behind_the_transaction_is_an_error(bank):
     bank.get_client_high_water_mark(0)
     failures = []

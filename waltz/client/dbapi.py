@@ -255,13 +255,26 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
                 cursor.execute("CREATE TABLE IF NOT EXISTS %s (PARTITION_ID INTEGER NOT NULL PRIMARY KEY, "
                                "HIGH_WATER_MARK BIGINT NOT NULL)" % self._table)
                 conn.commit()
+            except BaseException:
+                self._roll_back(conn)
+                raise
             finally:
                 _close_quietly(cursor)
         return self._run(create)
 
     def run_in_database(self, function, *args):
-        """Run ``function(connection, *args)`` in the database thread; fires with its result."""
-        return self._run(lambda: function(self.connection(), *args))
+        """Run ``function(connection, *args)`` in the database thread; fires with its result.
+
+        Commit what is to be kept: whatever the function leaves uncommitted, because it failed or
+        forgot, is rolled back when it returns. Left open, it would be committed by the next apply,
+        together with that transaction's high-water mark."""
+        def run():
+            conn = self.connection()
+            try:
+                return function(conn, *args)
+            finally:
+                self._roll_back(conn)
+        return self._run(run)
 
     def close(self):
         """Close the connection and stop the database thread; fires when both are done. Close the Waltz
