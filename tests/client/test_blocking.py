@@ -197,3 +197,112 @@ async def test_a_threaded_callback_that_returns_a_deferred_is_an_error():
             await callbacks.get_client_high_water_mark(0)
     finally:
         callbacks.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_close_refused_on_the_reactor_thread_stops_nothing():
+    # The refusal used to come after the worker thread was stopped anyway (joined on the reactor thread):
+    # the client ran on with no worker, every later apply failed and was retried for ever.
+    store, server, port, discovery = fake_cluster()
+    store.commit(0, ReqId(99, 1, 0, 0), 5, b"first")
+    callbacks = BlockingCallbacks()
+    client = await threads.deferToThread(
+        lambda: BlockingWaltzClient(callbacks, BASE_CONFIG, discovery=discovery, timeout=20))
+    try:
+        await threads.deferToThread(client.when_applied, 0, 0)
+        with pytest.raises(RuntimeError, match="reactor thread"):
+            client.close()                 # pytest-twisted runs this test on the reactor thread
+        store.commit(0, ReqId(99, 1, 0, 1), 5, b"second")
+        await threads.deferToThread(client.when_applied, 0, 1)
+        assert callbacks.applied == [(0, 0, b"first"), (0, 1, b"second")]
+    finally:
+        await threads.deferToThread(client.close)
+        await port.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_close_waits_for_a_blocked_callback_at_most_the_timeout():
+    store, server, port, discovery = fake_cluster()
+    store.commit(0, ReqId(99, 1, 0, 0), 5, b"first")
+    entered, release = threading.Event(), threading.Event()
+
+    class Stuck(BlockingCallbacks):
+        def apply_transaction(self, transaction):
+            entered.set()
+            release.wait(30)          # a database call that hangs
+
+    def script():
+        client = BlockingWaltzClient(Stuck(), BASE_CONFIG, discovery=discovery, timeout=1)
+        assert entered.wait(20)
+        with pytest.raises(TimeoutError, match="waltz-callbacks thread did not finish its current call within 1 s"):
+            client.close()
+        return client
+    try:
+        client = await threads.deferToThread(script)
+        assert client.client.state.value == "closed"
+    finally:
+        release.set()
+        await port.stopListening()
+
+
+def test_a_stopped_reactor_fails_every_call_at_once():
+    # A reactor cannot run again once stopped: calls used to wait their whole timeout (or for ever), and
+    # ensure_reactor_running said the reactor "did not start" (ReactorNotRestartable went to stderr).
+    script = textwrap.dedent("""
+        import threading, time
+        from twisted.internet import reactor
+        from waltz.client.blocking import ReactorStoppedError, call_blocking, ensure_reactor_running
+        ensure_reactor_running(reactor)
+        waiting = []
+
+        def wait_for_ever():
+            try:
+                call_blocking(reactor, lambda: __import__("twisted.internet.defer").internet.defer.Deferred())
+            except ReactorStoppedError:
+                waiting.append("stopped")
+        waiter = threading.Thread(target=wait_for_ever)
+        waiter.start()
+        time.sleep(0.3)
+        reactor.callFromThread(reactor.stop)
+        waiter.join(10)
+        print(waiting)
+        for call in (lambda: call_blocking(reactor, lambda: 1, timeout=30),
+                     lambda: ensure_reactor_running(reactor, timeout=30)):
+            start = time.monotonic()
+            try:
+                call()
+            except ReactorStoppedError:
+                print("refused", time.monotonic() - start < 5)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=os.getcwd(), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == ["['stopped']", "refused True", "refused True"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failing_threaded_uncaught_exception_is_logged_not_left_in_a_deferred():
+    from twisted.logger import globalLogPublisher
+
+    class Failing(WaltzClientCallbacks):
+        def get_client_high_water_mark(self, partition_id):
+            return -1
+
+        def uncaught_exception(self, partition_id, transaction_id, exception):
+            raise ValueError("the report failed")
+
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    callbacks = ThreadedCallbacks(Failing(), reactor)
+    try:
+        callbacks.uncaught_exception(0, 3, RuntimeError("apply failed"))
+        for _ in range(100):
+            if events and any("could not report" in e.get("log_format", "") for e in events):
+                break
+            await threads.deferToThread(threading.Event().wait, 0.05)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+        callbacks.stop()
+    reports = [e for e in events if "could not report" in e.get("log_format", "")]
+    assert len(reports) == 1 and reports[0]["log_failure"].check(ValueError)
+    assert reports[0]["pid"] == 0 and reports[0]["txn"] == 3

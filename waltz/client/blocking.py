@@ -16,9 +16,11 @@ methods always run on the reactor thread and must be quick.
 
 import queue
 import threading
+import time
 
 import attr
 from twisted.internet import defer
+from twisted.logger import Logger
 from twisted.python import threadable
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -27,7 +29,11 @@ from waltz.client.api import IWaltzClientCallbacks
 from waltz.client.client import WaltzClient
 from waltz.client.workers import WorkerThread
 
+log = Logger()
+
 _start_lock = threading.Lock()
+#: How often a blocked caller checks that the reactor still runs (it would never answer once stopped).
+_REACTOR_CHECK_SECONDS = 0.5
 
 
 def _refuse_reactor_thread(reactor):
@@ -38,19 +44,46 @@ def _refuse_reactor_thread(reactor):
                            "context, a hook or a callback running on it); use WaltzClient there")
 
 
+class ReactorStoppedError(RuntimeError):
+    """The reactor has stopped (a Twisted reactor cannot be started again): nothing can answer."""
+
+
+def _stopped(reactor) -> bool:
+    """True once ``reactor`` has run and stopped."""
+    return not reactor.running and getattr(reactor, "_startedBefore", False)
+
+
+def _refuse_stopped(reactor):
+    if _stopped(reactor):
+        raise ReactorStoppedError("the Twisted reactor has stopped and cannot be started again; "
+                                  "use the Waltz client before the reactor stops (at interpreter exit)")
+
+
 def ensure_reactor_running(reactor, timeout=30.0):
-    """Make sure ``reactor`` runs, starting it in a daemon thread if needed; refuse the reactor thread."""
+    """Make sure ``reactor`` runs, starting it in a daemon thread if needed; refuse the reactor thread
+    and a reactor that has stopped."""
     with _start_lock:
         if reactor.running:
             _refuse_reactor_thread(reactor)
             return
+        _refuse_stopped(reactor)
         started = threading.Event()
+        failures = []
+
+        def run():
+            try:
+                reactor.run(installSignalHandlers=False)
+            except BaseException as exc:
+                failures.append(exc)
         reactor.callWhenRunning(started.set)
-        thread = threading.Thread(target=reactor.run, kwargs={"installSignalHandlers": False},
-                                  name="waltz-reactor", daemon=True)
+        thread = threading.Thread(target=run, name="waltz-reactor", daemon=True)
         thread.start()
-        if not started.wait(timeout):
-            raise RuntimeError("the reactor did not start within %s s" % timeout)
+        deadline = time.monotonic() + timeout
+        while not started.wait(min(_REACTOR_CHECK_SECONDS, max(0.0, deadline - time.monotonic()))):
+            if failures:
+                raise RuntimeError("the reactor failed to start: %r" % (failures[0],)) from failures[0]
+            if time.monotonic() >= deadline:
+                raise RuntimeError("the reactor did not start within %s s" % timeout)
 
 
 def call_blocking(reactor, function, *args, timeout=None, cancel_on_timeout=False, **kwargs):
@@ -58,24 +91,44 @@ def call_blocking(reactor, function, *args, timeout=None, cancel_on_timeout=Fals
 
     Raises the function's exception, or :class:`TimeoutError` after ``timeout`` seconds
     (the call itself goes on, unless ``cancel_on_timeout``: its Deferred is then cancelled),
-    or :class:`RuntimeError` on the reactor thread itself.
+    :class:`RuntimeError` on the reactor thread itself, or :class:`ReactorStoppedError` when the
+    reactor has stopped (before the call or while it waited).
     """
     _refuse_reactor_thread(reactor)
+    _refuse_stopped(reactor)
     results = queue.Queue()
     calls = []
 
     def run():
         calls.append(defer.maybeDeferred(function, *args, **kwargs).addBoth(results.put))
     reactor.callFromThread(run)
-    try:
-        result = results.get(timeout=timeout)
-    except queue.Empty:
+    result = _wait_for_answer(reactor, results, timeout)
+    if result is _NO_ANSWER:
         if cancel_on_timeout:   # after run(): callFromThread keeps the order
             reactor.callFromThread(lambda: calls[0].cancel())
-        raise TimeoutError("no answer from the Waltz client within %s s" % timeout) from None
+        raise TimeoutError("no answer from the Waltz client within %s s" % timeout)
     if isinstance(result, Failure):
         result.raiseException()
     return result
+
+
+_NO_ANSWER = object()
+
+
+def _wait_for_answer(reactor, results, timeout):
+    """The first item of ``results``, or ``_NO_ANSWER`` after ``timeout`` seconds (None: no limit);
+    :class:`ReactorStoppedError` if the reactor stops meanwhile."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        wait = _REACTOR_CHECK_SECONDS
+        if deadline is not None:
+            wait = min(wait, deadline - time.monotonic())
+            if wait <= 0:
+                return _NO_ANSWER
+        try:
+            return results.get(timeout=wait)
+        except queue.Empty:
+            _refuse_stopped(reactor)
 
 
 @attr.s(frozen=True, slots=True)
@@ -140,11 +193,20 @@ class ThreadedCallbacks:
                                 BlockingTransaction(transaction, self._reactor, self._timeout))
 
     def uncaught_exception(self, partition_id, transaction_id, exception):
-        self._worker.run(self._callbacks.uncaught_exception, partition_id, transaction_id, exception)
+        self._worker.run(self._callbacks.uncaught_exception, partition_id, transaction_id,
+                         exception).addErrback(_log_uncaught_exception_failure, partition_id, transaction_id,
+                                               exception)
 
-    def stop(self):
-        """Stop the worker thread (from any thread, the worker included)."""
-        self._worker.stop()
+    def stop(self, timeout=None):
+        """Stop the worker thread (from any thread, the worker included); waits at most ``timeout``
+        seconds (None: no limit) for the callback it is running (see :meth:`WorkerThread.stop`)."""
+        self._worker.stop(timeout)
+
+
+def _log_uncaught_exception_failure(failure, partition_id, transaction_id, exception):
+    """Nothing else can be told when reporting a failure fails: log both."""
+    log.failure("partition {pid} transaction {txn}: uncaught_exception could not report {error!r}", failure,
+                pid=partition_id, txn=transaction_id, error=exception)
 
 
 @implementer(IWaltzClientCallbacks)
@@ -260,13 +322,18 @@ class BlockingWaltzClient:
 
     def close(self):
         """Close the client (and the callbacks' worker thread); may be called from any thread but the
-        reactor's, including from a callback running in the worker thread."""
+        reactor's, including from a callback running in the worker thread.
+
+        Waits at most ``timeout`` for the client to close, then at most ``timeout`` for a callback
+        still running in the worker thread (:class:`TimeoutError`: the daemon thread is left to finish
+        it; no later callback runs)."""
+        _refuse_reactor_thread(self._reactor)   # before anything: refused means nothing was stopped
         try:
             self._call(self._close_client)
         finally:
-            if self._threaded is not None:
-                self._threaded.stop()
-                self._threaded = None
+            threaded, self._threaded = self._threaded, None
+            if threaded is not None:
+                threaded.stop(self.timeout)
 
     def _close_client(self):
         """On the reactor thread, after any start queued before: close the client if it exists."""

@@ -39,9 +39,22 @@ class WorkerThread:
         """True when called from the worker thread itself."""
         return threading.current_thread() in self._pool.threads
 
-    def stop(self):
-        """Stop the thread once its current call returns; blocks until then unless called from it."""
+    def stop(self, timeout=None):
+        """Stop the thread once its current call returns; no later call runs. Blocks until then, at
+        most ``timeout`` seconds (None: no limit; :class:`TimeoutError` after it, the thread being
+        left to finish its call), unless called from the thread itself, which cannot wait for itself."""
         if self.in_worker():
-            threading.Thread(target=self._pool.stop, name="%s-stop" % self._pool.name, daemon=True).start()
-        else:
+            self._stop_in_helper_thread()
+        elif timeout is None:
             self._pool.stop()
+        else:
+            stopper = self._stop_in_helper_thread()
+            stopper.join(timeout)
+            if stopper.is_alive():
+                raise TimeoutError("the %s thread did not finish its current call within %s s"
+                                   % (self._pool.name, timeout))
+
+    def _stop_in_helper_thread(self):
+        stopper = threading.Thread(target=self._pool.stop, name="%s-stop" % self._pool.name, daemon=True)
+        stopper.start()
+        return stopper
