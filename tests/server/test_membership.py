@@ -658,3 +658,101 @@ def test_health_reports_partitions_given_up_for_unanswered_probes_until_a_probe_
     cluster.syncs[-1].callback("/c")                    # a fresh answer
     assert service.problems() == []
     membership.stop()
+
+
+def test_a_reconcile_pass_that_fails_after_stop_arms_no_retry():
+    # The service stops the membership and then closes its ZooKeeper client: the read a pass was waiting
+    # for fails after stop(), and used to arm a retry timer on a stopped membership.
+    clock, reports = Clock(), []
+    cluster = _OneSessionCluster(_assignment())
+    membership = _member_of(cluster, clock, reports)
+    membership.request_reconcile()
+    membership.stop()
+    cluster.descriptor_reads[0].errback(RuntimeError("the ZooKeeper client is closed"))
+    assert clock.getDelayedCalls() == []
+
+
+def _failing_first_give_up(calls):
+    def on_assignment(partitions):
+        calls.append(dict(partitions))
+        if len(calls) == 1:
+            raise RuntimeError("closing a partition failed")
+    return on_assignment
+
+
+def test_a_give_up_that_raises_is_tried_again_at_the_next_probe():
+    # The failed give-up used to count the partitions as given up (a later one gave up nothing), and its
+    # exception stopped the prober for good.
+    clock, calls = Clock(), []
+    cluster = _OneSessionCluster(_assignment())
+    membership = _member_of(cluster, clock, [])
+    membership.on_assignment = _failing_first_give_up(calls)
+    membership._contact(clock.seconds())
+    membership._prober.start(membership.probe_interval, now=False)
+    clock.advance(membership.give_up_after + membership.probe_interval)
+    assert calls == [{}] and membership._prober.running
+    clock.advance(membership.probe_interval)
+    assert calls == [{}, {}] and membership.partitions == {}
+    clock.advance(membership.probe_interval)
+    assert calls == [{}, {}]                            # given up: nothing more to give up
+    membership.stop()
+
+
+def test_after_a_give_up_that_raised_the_session_expiry_gives_the_partitions_up():
+    from waltz.zk.bridge import SessionState
+    clock, calls = Clock(), []
+    cluster = _OneSessionCluster(_assignment())
+    membership = _member_of(cluster, clock, [])
+    membership.on_assignment = _failing_first_give_up(calls)
+    membership._contact(clock.seconds())
+    cluster.zk.connected = False
+    membership._session_changed(SessionState.SUSPENDED)
+    clock.advance(membership.give_up_after)             # disconnected too long: the give-up raises
+    membership._session_changed(SessionState.EXPIRED)
+    assert calls == [{}, {}] and membership.partitions == {}
+
+
+def test_an_assignment_applied_in_part_is_given_up_on_expiry_and_the_rest_is_reported():
+    # Opening partition 1 raised while partition 0 opened: the membership recorded nothing held, and the
+    # expiry's give-up skipped partition 0, which stayed open on this server.
+    from waltz.zk.bridge import SessionState
+
+    class FlakyStore(DummyStore):
+        def partition(self, partition_id, generation):
+            if partition_id == 1:
+                raise RuntimeError("cannot open partition 1")
+            return super().partition(partition_id, generation)
+    clock, store = Clock(), FlakyStore()
+    partitions = ServerPartitions(store, DummyPartition)
+    cluster = _OneSessionCluster(_assignment())         # {0: 5, 1: 5} for server 1
+    membership = _member_of(cluster, clock, [])
+    membership.partitions = {}
+    membership.on_assignment = partitions.assign
+    membership.request_reconcile()
+    cluster.descriptor_reads[0].callback(_descriptors(111))
+    assert sorted(partitions.opened) == [0] and membership.partitions == {0: 5, 1: 5}
+    assert partitions.problems() == ["partition 1 (generation 5) could not be opened: cannot open partition 1",
+                                     "partition 0 (generation 5): the store is not writing"]
+    membership._session_changed(SessionState.EXPIRED)
+    assert partitions.opened == {} and partitions.problems() == []
+    assert store.closed == [1, 0]                       # partition 1's store partition too, had it been made
+
+
+def test_an_assignment_whose_application_raised_is_still_given_up_on_expiry():
+    from waltz.zk.bridge import SessionState
+    clock, calls = Clock(), []
+
+    def on_assignment(partitions):
+        calls.append(dict(partitions))
+        if len(calls) == 1:
+            raise RuntimeError("opened partition 0, then failed")
+    cluster = _OneSessionCluster(_assignment())
+    membership = _member_of(cluster, clock, [])
+    membership.partitions = {}
+    membership.on_assignment = on_assignment
+    membership.request_reconcile()
+    cluster.descriptor_reads[0].callback(_descriptors(111))
+    assert calls == [{0: 5, 1: 5}] and membership.partitions == {}
+    membership._session_changed(SessionState.EXPIRED)
+    assert calls == [{0: 5, 1: 5}, {}]
+    membership.stop()

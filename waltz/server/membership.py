@@ -146,6 +146,9 @@ class ServerMembership:
         self.znode = None              # path of our descriptor while registered
         self.assignment = None         # the last current PartitionAssignment seen
         self.partitions = {}           # our part of it: partition id -> generation
+        #: True while what the server holds is not known to be ``partitions``: an ``on_assignment`` call
+        #: is running, or raised (it may have opened or closed some of them). A give-up then still runs.
+        self._holding_unknown = False
         self.members = {}              # live server id -> ServerDescriptor, at the last reconcile
         self.reconciles = 0            # completed reconcile passes
         self.assignments_written = 0   # assignments this server wrote as the coordinator
@@ -207,7 +210,7 @@ class ServerMembership:
         if self.stopped:
             return self
         self._contact(sent)
-        self._prober.start(self.probe_interval, now=False)
+        self._prober.start(self.probe_interval, now=False).addErrback(self._prober_failed)
         self._enter(MembershipState.MEMBER)
         path = self.cluster.paths.server_descriptors
         for watch in (self.cluster.zk.watch_children(path, self._membership_changed),
@@ -326,7 +329,8 @@ class ServerMembership:
         connection is up: a follower cut off from the leader keeps answering pings (kazoo stays connected)
         while the leader, which expires sessions, hears nothing. (Disconnected, the timer armed on
         SUSPENDED does it.) Checked at each probe, so up to T/6 late: still before T."""
-        if self._last_contact is None or not self.partitions or not self.cluster.zk.connected:
+        holding = self.partitions or self._holding_unknown
+        if self._last_contact is None or not holding or not self.cluster.zk.connected:
             return
         silent = self.reactor.seconds() - self._last_contact
         if silent >= self.give_up_after:
@@ -347,15 +351,32 @@ class ServerMembership:
             self.request_reconcile()
 
     def _give_up_partitions(self, why):
-        """Stop holding any partition until a current assignment gives some back (``on_assignment({})``)."""
-        if not self.partitions:
+        """Stop holding any partition until a current assignment gives some back (``on_assignment({})``).
+        If that raises, the partitions count as still held: the next give-up (the next probe, the expiry)
+        or assignment tries again."""
+        if not self.partitions and not self._holding_unknown:
             return
         self.log.warn("server {id} gives up partitions {partitions}: {why}", id=self.server_id,
                       partitions=sorted(self.partitions.items()), why=why)
-        self.partitions = {}
-        self.on_assignment({})
+        try:
+            self._apply_assignment({})
+        except Exception:
+            self.log.failure("server {id}: giving up the partitions failed; tried again at the next give-up "
+                             "or assignment", id=self.server_id)
+            return
         if self.on_give_up is not None:
             self.on_give_up(why)
+
+    def _apply_assignment(self, partitions):
+        """``on_assignment(partitions)``; ``partitions`` is what the server holds once it returned."""
+        self._holding_unknown = True
+        self.on_assignment(dict(partitions))
+        self._holding_unknown = False
+        self.partitions = partitions
+
+    def _prober_failed(self, failure):
+        if not self.stopped:
+            self.log.failure("server {id}: the ZooKeeper probe stopped", failure, id=self.server_id)
 
     def _rejoin(self):
         if self.state is not MembershipState.REJOINING:
@@ -423,6 +444,8 @@ class ServerMembership:
             self._reconciling = False
 
     def _schedule_retry(self):
+        if self.stopped:
+            return      # a pass that failed after stop() (its ZooKeeper client closed): nothing to retry
         if self._reconcile_call is None or not self._reconcile_call.active():
             self._reconcile_call = self.reactor.callLater(self.retry_interval, self.request_reconcile)
 
@@ -514,13 +537,12 @@ class ServerMembership:
         if self.given_up_while_connected is not None:
             return      # read through a follower the leader may not hear: nothing until a probe is answered
         mine = partitions_of(assignment, self.server_id)
-        if mine == self.partitions:
+        if mine == self.partitions and not self._holding_unknown:
             return
         self.log.info("server {id} is assigned partitions {partitions}", id=self.server_id,
                       partitions=sorted(mine.items()))
-        self.on_assignment(dict(mine))
-        # Only once applied: if on_assignment raised, the retried pass sees a change and applies it again.
-        self.partitions = mine
+        # If on_assignment raises, the retried pass applies it again, and a give-up meanwhile still runs.
+        self._apply_assignment(mine)
 
     # --- preferred partitions -----------------------------------------------------------------------
 

@@ -117,7 +117,7 @@ class ServerPartitions:
         self.check_interval = check_interval
         self.opened = {}            # partition id -> ServerPartition
         self.ready = set()          # partition ids whose start() fired
-        self.failures = {}          # partition id -> why its start failed
+        self.failures = {}          # partition id -> why it could not be opened, or its start failed
         self.lost = {}              # partition id -> (generation, why) of a partition another server took over
         self.assigned = {}          # the last assignment: partition id -> generation
         self.info = None
@@ -145,6 +145,8 @@ class ServerPartitions:
                 self._close(partition_id, "moved away" if generation is None else "new generation %d" % generation)
         for partition_id in [pid for pid, (generation, _) in self.lost.items() if assigned.get(pid) != generation]:
             del self.lost[partition_id]
+        for partition_id in [pid for pid in self.failures if pid not in self.opened]:
+            del self.failures[partition_id]     # could not be opened: tried again below, if still assigned
         for partition_id, generation in sorted(assigned.items()):
             if partition_id not in self.opened and partition_id not in self.lost:
                 self._open(partition_id, generation)
@@ -152,8 +154,18 @@ class ServerPartitions:
 
     def _open(self, partition_id, generation):
         self.log.info("opening partition {pid} at generation {generation}", pid=partition_id, generation=generation)
-        store_partition = self.store.partition(partition_id, generation)
-        partition = self.factory(partition_id, generation, store_partition)
+        try:
+            store_partition = self.store.partition(partition_id, generation)
+            partition = self.factory(partition_id, generation, store_partition)
+        except Exception as exc:
+            # Not opened (and reported by problems()), so the next assignment tries again; the other
+            # partitions of this assignment open all the same.
+            self.failures[partition_id] = str(exc) or repr(exc)
+            self.log.failure("partition {pid} (generation {generation}) could not be opened", pid=partition_id,
+                             generation=generation)
+            self.store.close_partition(partition_id).addErrback(
+                lambda f: self.log.failure("closing store partition {pid} failed", f, pid=partition_id))
+            return
         self.opened[partition_id] = partition
         self._store_partitions[partition_id] = store_partition
         if self.metrics is not None:
@@ -239,6 +251,8 @@ class ServerPartitions:
         found = ["partition %d (generation %d) is assigned here but another server took it over (%s); "
                  "waiting for the assignment to catch up" % (pid, generation, why)
                  for pid, (generation, why) in sorted(self.lost.items())]
+        found.extend("partition %d (generation %s) could not be opened: %s" % (pid, self.assigned.get(pid), why)
+                     for pid, why in sorted(self.failures.items()) if pid not in self.opened)
         for partition_id, partition in sorted(self.opened.items()):
             if partition_id in self.failures:
                 found.append("partition %d (generation %d) failed to start: %s"
