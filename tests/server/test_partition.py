@@ -258,6 +258,20 @@ def test_close_stops_everything_and_pending_mounts_get_not_ready():
     assert not conn.sent[-1].ok
 
 
+def test_close_answers_not_ready_to_a_mount_whose_catch_up_was_under_way():
+    # Only mounts still waiting at their barrier were answered: one whose catch-up had started lost its
+    # READY with the feed, and its client waited in MOUNTING for ever.
+    h = Harness(records=5000)
+    conn = DummyConnection()
+    h.handle(conn, MountRequest(rid(0), -1, 1))
+    conn.writable = False                   # a slow reader: the catch-up is under way
+    h.run()
+    assert h.partition.feeds.feed_of(conn) is not None and conn.of(MountResponse) == []
+    h.partition.close()
+    h.run()
+    assert conn.of(MountResponse) == [MountResponse(rid(0), MountState.NOT_READY)]
+
+
 def test_closing_leaves_the_shared_caches_alone():
     # Committed entries never change: they age out. Dropping them meant walking every key of the
     # server-wide caches on the reactor (0.4 s per partition with a full data cache).
@@ -794,6 +808,8 @@ def test_shared_caches_and_settings_validation():
         PartitionSettings(feed_cache_size=10)
     with pytest.raises(ValueError):
         PartitionSettings(max_pending_appends=0)
+    with pytest.raises(ValueError, match="min_fetch_size"):
+        PartitionSettings(min_fetch_size=0)     # an idle feed would get no credit, ask again at once, ...
 
 
 def test_commits_the_partition_did_not_make_raise_the_lock_table(h):

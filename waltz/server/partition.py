@@ -114,7 +114,7 @@ class PartitionSettings:
     lock_table_size = attr.ib(default=30000, validator=_positive)
     feed_cache_size = attr.ib(default=64 * 1024 * 1024)
     transaction_data_cache_size = attr.ib(default=128 * 1024 * 1024, validator=_not_negative)
-    min_fetch_size = attr.ib(default=100, validator=_not_negative)
+    min_fetch_size = attr.ib(default=100, validator=_positive)     # 0: an idle feed would ping-pong
     realtime_threshold = attr.ib(default=1000, validator=_positive)
     max_pending_appends = attr.ib(default=300, validator=_positive)
 
@@ -378,11 +378,16 @@ class ServerPartition:
         return self._when_serving()
 
     def close(self) -> defer.Deferred:
-        """Stop serving: feeds stop, queued requests are dropped (mounts get NOT_READY), the store closes."""
+        """Stop serving: feeds stop, queued requests are dropped (mounts get NOT_READY, those whose catch-up
+        was under way too), the store closes."""
         if self.state is PartitionState.CLOSED:
             return defer.succeed(None)
         self._transition(PartitionState.CLOSED, "closed")
+        owed_ready = [feed for feed in self.feeds.feeds if isinstance(feed.end_message, MountResponse)]
         self.feeds.close()
+        for feed in owed_ready:
+            # Unanswered, the client would wait in MOUNTING for ever; the items it has are kept (by id).
+            self._send_mount_response(feed.connection, feed.req_id, MountState.NOT_READY)
         waiters, self._serving_waiters = self._serving_waiters, []
         for waiter in waiters:
             waiter.errback(PartitionClosed("partition %d closed before it served" % self.partition_id))
