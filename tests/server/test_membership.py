@@ -756,3 +756,21 @@ def test_an_assignment_whose_application_raised_is_still_given_up_on_expiry():
     membership._session_changed(SessionState.EXPIRED)
     assert calls == [{0: 5, 1: 5}, {}]
     membership.stop()
+
+
+def test_a_store_partition_that_fails_to_close_is_logged_not_left_in_a_deferred():
+    from twisted.logger import globalLogPublisher
+
+    class FailingClose(DummyStore):
+        def close_partition(self, partition_id):
+            return defer.fail(RuntimeError("the session would not close"))
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        partitions = ServerPartitions(FailingClose(), DummyPartition)
+        partitions.assign({0: 1})
+        partitions.assign({})                       # moved away: nobody waits for the close
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    [logged] = [e for e in events if e.get("log_format") == "closing store partition {pid} failed"]
+    assert logged["pid"] == 0 and logged["log_failure"].check(RuntimeError)

@@ -163,8 +163,7 @@ class ServerPartitions:
             self.failures[partition_id] = str(exc) or repr(exc)
             self.log.failure("partition {pid} (generation {generation}) could not be opened", pid=partition_id,
                              generation=generation)
-            self.store.close_partition(partition_id).addErrback(
-                lambda f: self.log.failure("closing store partition {pid} failed", f, pid=partition_id))
+            self._close_store_partition(partition_id)
             return
         self.opened[partition_id] = partition
         self._store_partitions[partition_id] = store_partition
@@ -203,7 +202,12 @@ class ServerPartitions:
         d = defer.maybeDeferred(partition.close)
         d.addErrback(lambda f: self.log.failure("closing partition {pid} failed", f, pid=partition_id))
         # Synchronously forgets the store partition, so a new generation opens a new one.
-        return defer.gatherResults([d, self.store.close_partition(partition_id)])
+        return defer.gatherResults([d, self._close_store_partition(partition_id)])
+
+    def _close_store_partition(self, partition_id):
+        """Close the store partition; a failure is logged (callers such as assign() do not wait)."""
+        return defer.maybeDeferred(self.store.close_partition, partition_id).addErrback(
+            lambda f: self.log.failure("closing store partition {pid} failed", f, pid=partition_id))
 
     def close_all(self):
         self._stop_checking()
