@@ -216,3 +216,81 @@ async def test_session_events_reach_listeners_on_the_reactor_thread(zookeeper, c
     calls = await states.wait_for(len(calls) + 1)
     assert calls[-1] == (SessionState.LOST,)  # closed, not expired
     assert all(states.threads)
+
+
+async def _connected_then_cut_off(private_zookeeper, request_timeout_ms):
+    """A client connected to ``private_zookeeper``, which is then stopped: fires once kazoo noticed."""
+    from twisted.internet import task
+    private_zookeeper.start()
+    client = zk_client_for(private_zookeeper, request_timeout_ms=request_timeout_ms)
+    await client.connect()
+    await client.ensure_path("/waltz_test/cut")
+    await client.run_blocking(lambda _kazoo: private_zookeeper.stop())
+    for _ in range(100):
+        if not client.connected:
+            break
+        await task.deferLater(reactor, 0.1, lambda: None)
+    assert not client.connected
+    return client
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_requests_and_watches_fail_within_the_request_timeout_while_zookeeper_is_unreachable(
+        private_zookeeper):
+    # Kazoo queues a request made while disconnected until the connection is back: every caller used to
+    # wait for the whole outage, and each watch set-up held a thread of the reactor's pool meanwhile.
+    from kazoo.exceptions import ConnectionLoss
+
+    from waltz.zk.errors import ZooKeeperRequestTimeout
+    client = await _connected_then_cut_off(private_zookeeper, request_timeout_ms=1500)
+    try:
+        for request in (lambda: client.get("/waltz_test/cut"), lambda: client.create("/waltz_test/cut/x"),
+                        lambda: client.transaction().create("/waltz_test/cut/y").commit(),
+                        lambda: client.watch_data("/waltz_test/cut", lambda *a: None),
+                        lambda: client.watch_children("/waltz_test/cut", lambda *a: None)):
+            started = reactor.seconds()
+            with pytest.raises(ZooKeeperRequestTimeout, match="did not answer .* within 1500 ms"):
+                await request()
+            assert 1.0 < reactor.seconds() - started < 5
+        assert issubclass(ZooKeeperRequestTimeout, ConnectionLoss)     # callers' "outcome unknown"
+    finally:
+        await client.close()
+
+
+@pytest.mark.timeout(60)
+@pytest_twisted.ensureDeferred
+async def test_close_ends_during_an_outage_even_with_the_thread_pool_full_of_blocked_watches(
+        private_zookeeper):
+    # Watch set-ups blocked in kazoo hold the reactor's pool threads until the session ends; close()
+    # ran in that same pool, and waited behind them for ever.
+    client = await _connected_then_cut_off(private_zookeeper, request_timeout_ms=500)
+    pool = reactor.getThreadPool()
+    attempts = [client.watch_data("/waltz_test/cut", lambda *a: None).addErrback(lambda _: None)
+                for _ in range(pool.max)]
+    await defer.gatherResults(attempts)                  # each timed out; its thread is still blocked
+    started = reactor.seconds()
+    await client.close()
+    assert reactor.seconds() - started < 10
+
+
+@pytest_twisted.ensureDeferred
+async def test_watches_fail_when_closed_or_on_a_missing_znode(zookeeper, cluster_root):
+    # Kazoo's recipes swallowed both: the watch "succeeded" and never called back.
+    from kazoo.exceptions import ConnectionClosedError
+    client = zk_client_for(zookeeper)
+    with pytest.raises(ConnectionClosedError):
+        await client.watch_data(cluster_root, lambda *a: None)          # not connected yet
+    await client.connect()
+    try:
+        with pytest.raises(NoNodeError, match="no such znode"):
+            await client.watch_children(cluster_root + "/missing", lambda *a: None)
+        seen = Recorder()
+        handle = await client.watch_data(cluster_root + "/missing", seen)
+        assert seen.calls == [(None, None)]              # a data watch follows a znode yet to come
+        handle.cancel()
+    finally:
+        await client.close()
+    for watch in (client.watch_data, client.watch_children):
+        with pytest.raises(ConnectionClosedError):
+            await watch(cluster_root, lambda *a: None)

@@ -376,6 +376,30 @@ async def test_edit_topology_writes_all_three_znodes_or_none(cluster_metadata):
 
 
 @pytest_twisted.ensureDeferred
+async def test_edit_topology_checks_the_versions_of_the_znodes_it_does_not_change(cluster_metadata):
+    # The edit changes only the assignment; a writer outside the lock rewrites the group znode between
+    # the edit's read and its commit. Only the changed znode was checked, so the edit, computed from a
+    # group that no longer held, was written.
+    await cluster_metadata.edit_topology(lambda t, store: t.add_storage("h:1", 2, 0))
+    zk, group, read_topology = cluster_metadata.zk, cluster_metadata.paths.group, cluster_metadata.topology
+    reads = []
+
+    async def read_then_overwritten():
+        current = await read_topology()
+        reads.append(current)
+        if len(reads) == 1:
+            data, _ = await zk.get(group)
+            await zk.set(group, data)                   # the same bytes at a new version
+        return current
+    cluster_metadata.topology = lambda: defer.ensureDeferred(read_then_overwritten())
+    await cluster_metadata.edit_topology(lambda t, store: t.assign("h:1", [1], store.num_partitions))
+    assert len(reads) == 2                              # refused once, then read and applied again
+    del cluster_metadata.topology
+    after = await cluster_metadata.topology()
+    assert after.value.partitions_of("h:1") == (1,) and [stat.version for stat in after.stat] == [2, 2, 1]
+
+
+@pytest_twisted.ensureDeferred
 async def test_describe(cluster_metadata):
     await cluster_metadata.edit_topology(lambda t, store: t.add_storage("h:1", 2, 0).auto_assign(0, 4))
     await cluster_metadata.new_store_session(0, 1)

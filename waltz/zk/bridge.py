@@ -13,6 +13,13 @@ Kazoo's exceptions (``NoNodeError``, ``NodeExistsError``, ``BadVersionError``,
 Deferreds' failures, unchanged; only a failed connect is reported as
 :class:`~waltz.zk.errors.ZooKeeperConnectError`.
 
+Every request, and the set-up of every persistent watch, is bounded: while the
+connection is down kazoo queues requests until it is back, so without a bound a
+caller would wait for the whole outage. After ``request_timeout_ms`` (default: the
+session timeout) it fails with :class:`~waltz.zk.errors.ZooKeeperRequestTimeout`,
+a ``ConnectionLoss``: the outcome is unknown, as for any request in flight when a
+connection drops, and a late answer is ignored.
+
 After a session expires kazoo reconnects with a *new* session: listeners see
 ``EXPIRED`` and then ``CONNECTED`` again, and whoever owns ephemeral znodes must
 create them again.
@@ -30,13 +37,13 @@ import threading
 import time
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import RolledBackError
+from kazoo.exceptions import ConnectionClosedError, NoNodeError, RolledBackError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.states import KeeperState
 from twisted.internet import defer, threads
 from twisted.logger import Logger
 
-from waltz.zk.errors import ZooKeeperConnectError
+from waltz.zk.errors import ZooKeeperConnectError, ZooKeeperRequestTimeout
 
 
 class SessionState:
@@ -105,20 +112,22 @@ class ZooKeeperClient:
     """One ZooKeeper session, with a Deferred API.
 
     ``connect_string`` is ``host:port[,host:port...][/chroot]``; timeouts are in
-    milliseconds. ``reactor`` defaults to the global one; ``kazoo_client`` may
-    be given instead of being built from the connect string (tests).
+    milliseconds. ``request_timeout_ms`` bounds each request (default: the session
+    timeout). ``reactor`` defaults to the global one; ``kazoo_client`` may be given
+    instead of being built from the connect string (tests).
     """
 
     log = Logger()
 
     def __init__(self, connect_string, session_timeout_ms=30000, connect_timeout_ms=10000,
-                 reactor=None, kazoo_client=None):
+                 reactor=None, kazoo_client=None, request_timeout_ms=None):
         if reactor is None:
             from twisted.internet import reactor
         self._reactor = reactor
         self.connect_string = connect_string
         self.session_timeout_ms = session_timeout_ms
         self.connect_timeout_ms = connect_timeout_ms
+        self.request_timeout_ms = session_timeout_ms if request_timeout_ms is None else request_timeout_ms
         self._kazoo = kazoo_client or KazooClient(
             hosts=connect_string, timeout=session_timeout_ms / 1000.0,
             connection_retry={"max_tries": -1, "max_delay": 1.0},
@@ -196,9 +205,22 @@ class ZooKeeperClient:
 
     def close(self):
         """End the session (its ephemeral znodes go) and free kazoo's threads and sockets; a connect
-        still waiting ends (failing with :class:`ZooKeeperConnectError`)."""
+        still waiting ends (failing with :class:`ZooKeeperConnectError`).
+
+        Runs in a thread of its own, not the reactor's pool: during an outage the pool's threads may
+        all be blocked in kazoo calls that only this close ends."""
         self._closing.set()
-        return self._blocking(self._stop_and_close)
+        d = defer.Deferred()
+
+        def close_in_thread():
+            try:
+                self._stop_and_close()
+            except Exception as exc:
+                self._reactor.callFromThread(d.errback, exc)
+            else:
+                self._reactor.callFromThread(d.callback, None)
+        threading.Thread(target=close_in_thread, name="zookeeper-close", daemon=True).start()
+        return d
 
     def _stop_and_close(self):
         with self._stop_lock:
@@ -233,7 +255,7 @@ class ZooKeeperClient:
 
     def _bridge(self, start, *args, **kwargs):
         """Run ``start(*args, **kwargs)`` (a kazoo ``*_async`` call) and return a Deferred
-        fired on the reactor thread with its result or exception."""
+        fired on the reactor thread with its result or exception (bounded, see the module docstring)."""
         d = defer.Deferred()
         try:
             async_result = start(*args, **kwargs)
@@ -245,12 +267,37 @@ class ZooKeeperClient:
             try:
                 value = result.get_nowait()
             except Exception as exc:
-                self._reactor.callFromThread(d.errback, exc)
+                self._reactor.callFromThread(self._settle, d, d.errback, exc)
             else:
-                self._reactor.callFromThread(d.callback, value)
+                self._reactor.callFromThread(self._settle, d, d.callback, value)
 
+        self._bound(d, getattr(start, "__name__", "request"))
         async_result.rawlink(completed)
         return d
+
+    def _bound(self, d, what, on_timeout=None):
+        """Fail ``d`` with :class:`ZooKeeperRequestTimeout` unless it fires within the request timeout."""
+        def expire():
+            if on_timeout is not None:
+                on_timeout()
+            d.errback(ZooKeeperRequestTimeout(
+                "ZooKeeper at %s did not answer %s within %d ms (connection lost?); its outcome is unknown"
+                % (self.connect_string, what, self.request_timeout_ms)))
+        timer = self._reactor.callLater(self.request_timeout_ms / 1000.0, expire)
+        d.addBoth(self._cancel_timer, timer)
+        return d
+
+    @staticmethod
+    def _cancel_timer(result, timer):
+        if timer.active():
+            timer.cancel()
+        return result
+
+    @staticmethod
+    def _settle(d, fire, value):
+        """Fire ``d`` unless it timed out already (the late answer is dropped)."""
+        if not d.called:
+            fire(value)
 
     def _on_reactor(self, function):
         """Wrap a callback kazoo calls from its thread so that it runs on the reactor thread."""
@@ -332,7 +379,7 @@ class ZooKeeperClient:
             return None
 
         # kazoo's DataWatch reads the znode synchronously when built: keep that off the reactor.
-        return self._blocking(self._kazoo.DataWatch, path, on_change).addCallback(lambda _: handle)
+        return self._set_watch(self._kazoo.DataWatch, path, on_change, handle)
 
     def watch_children(self, path, callback):
         """Call ``callback(children)`` now and after changes of ``path``'s children, on the
@@ -349,7 +396,29 @@ class ZooKeeperClient:
             self._reactor.callFromThread(self._if_active, handle, callback, children)
             return None
 
-        return self._blocking(self._kazoo.ChildrenWatch, path, on_change).addCallback(lambda _: handle)
+        return self._set_watch(self._kazoo.ChildrenWatch, path, on_change, handle)
+
+    def _set_watch(self, recipe, path, on_change, handle):
+        """Build kazoo's watch ``recipe`` in the thread pool; fires with ``handle``. Fails at once once
+        closed or before connecting (kazoo's recipes would swallow that and never call back), with
+        :class:`NoNodeError` when a children watch's znode does not exist (kazoo's stops silently), and
+        after the request timeout (the late watch then stops at its first call)."""
+        if self._closing.is_set() or self._kazoo.client_state == KeeperState.CLOSED:
+            return defer.fail(ConnectionClosedError("the ZooKeeper client is closed or not connected"))
+        outcome = defer.Deferred()
+
+        def built(watch):
+            if getattr(watch, "_stopped", False):     # ChildrenWatch: the znode did not exist
+                raise NoNodeError("cannot watch the children of %s: no such znode" % path)
+            return handle
+
+        def cancel():
+            handle.cancel()
+        d = self._blocking(recipe, path, on_change).addCallback(built)
+        d.addCallbacks(lambda result: self._settle(outcome, outcome.callback, result),
+                       lambda failure: self._settle(outcome, outcome.errback, failure))
+        self._bound(outcome, "the watch of %s" % path, on_timeout=cancel)
+        return outcome
 
     def _if_active(self, handle, callback, *args):
         if not handle.cancelled:

@@ -6,8 +6,16 @@ layer itself detects. Every message is one line a user can act on.
 """
 
 
+from kazoo.exceptions import ConnectionLoss
+
+
 class ZooKeeperLayerError(Exception):
     """Base class of the errors raised by :mod:`waltz.zk`."""
+
+
+class ZooKeeperRequestTimeout(ConnectionLoss, ZooKeeperLayerError):
+    """A request got no answer in time (ZooKeeper unreachable). Like kazoo's ``ConnectionLoss``,
+    which it is, the outcome is unknown: a request queued by kazoo may still be applied later."""
 
 
 class ZooKeeperConnectError(ZooKeeperLayerError):

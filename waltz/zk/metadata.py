@@ -375,7 +375,7 @@ class ClusterMetadata:
         """Apply ``edit(topology, store_params)`` -> new :class:`StoreTopology` under the admin lock.
 
         The changed znodes are written in one multi-op that also checks the versions
-        read, so the three never disagree. ``edit`` raises
+        read of all three (the unchanged ones too), so the three never disagree. ``edit`` raises
         :class:`~waltz.zk.errors.TopologyError` to refuse. Fires with the new topology.
         """
         paths = self.paths
@@ -385,13 +385,16 @@ class ClusterMetadata:
             store = yield self.store_params()
             current = yield self.topology()
             new = edit(current.value, store)
-            txn = self.zk.transaction()
+            txn, changed = self.zk.transaction(), False
             for path, old, value, stat in zip((paths.assignment, paths.group, paths.connection),
                                               attr.astuple(current.value, recurse=False),
                                               attr.astuple(new, recurse=False), current.stat):
                 if value != old:
                     txn.set_data(path, value.encode(), stat.version)
-            if len(txn):
+                    changed = True
+                else:
+                    txn.check(path, stat.version)
+            if changed:
                 yield txn.commit()
             return new
 
