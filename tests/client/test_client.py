@@ -640,6 +640,30 @@ def test_high_water_marks(harness):
     assert d.result == {1: -1}
 
 
+def test_calls_made_before_the_client_joined_fail_or_wait_for_it(harness):
+    # high_water_marks() answered {} ("every partition" was none yet), and flush(pid) raised instead of
+    # returning a failed Deferred; a flush now waits for the start, and sends what was queued meanwhile.
+    client = harness.client(join=False)
+    assert client.state is ClientState.STARTING
+    marks = client.high_water_marks()
+    assert isinstance(marks.result.value, WaltzClientError)
+    marks.addErrback(lambda _: None)
+    context = RecordingContext()
+    executed = client.execute(context)
+    flushed = client.flush()
+    flushed_one = client.flush(0)
+    assert not flushed.called and not flushed_one.called
+    harness.join()
+    assert flushed.called and flushed_one.called and executed.called
+    assert context.events[:2] == ["execute", ("completion", True)]
+    client.close()
+    harness.settle()
+    for call in (lambda: client.flush(0), client.flush, client.high_water_marks):
+        failed = call()
+        assert isinstance(failed.result.value, ClientClosedError)
+        failed.addErrback(lambda _: None)
+
+
 def test_high_water_marks_name_the_partitions_that_do_not_answer(harness):
     # One partition served nowhere must not hold up the others for ever, and the error names it.
     client = harness.client()

@@ -196,3 +196,15 @@ def test_the_hello_deadline_is_cancelled_once_ready_and_on_close(setup):
     conn.close()
     network.flush()
     assert not clock.getDelayedCalls()
+
+
+def test_a_back_off_that_could_not_grow_is_refused():
+    # An initial interval of 0 never doubled: every reconnect followed the last at once, a busy loop on
+    # the reactor against a dead server.
+    with pytest.raises(ValueError, match="0 < initial"):
+        Backoff(0, 5.0)
+    from waltz.config import ConfigError
+    from tests.client.fakes import BASE_CONFIG
+    from waltz.client.config import client_config
+    with pytest.raises(ConfigError, match="client.reconnectInitialInterval"):
+        client_config(dict(BASE_CONFIG, **{"client.reconnectInitialInterval": 0}))

@@ -147,13 +147,17 @@ class WaltzClient:
 
     # --- partitions and servers ------------------------------------------------------------------
 
-    def _partition(self, partition_id):
+    def _check_running(self):
+        """Raise unless the client runs: closed, failed, or not joined the cluster yet."""
         if self.state is ClientState.CLOSED:
             raise ClientClosedError("the Waltz client is closed")
         if self.state is ClientState.FAILED:
             raise self._error
         if self.state is ClientState.STARTING:
             raise WaltzClientError("the Waltz client has not joined the cluster yet (wait for when_started())")
+
+    def _partition(self, partition_id):
+        self._check_running()
         partition = self._partitions.get(partition_id)
         if partition is None:
             raise PartitionNotFoundError(partition_id, self.num_partitions)
@@ -170,7 +174,7 @@ class WaltzClient:
             read.relocate(locations.get(read.partition_id))
         in_use = {location.endpoint for location in locations.values()}
         for endpoint in [e for e in self._servers if e not in in_use]:
-            log.info("closing the connections to {endpoint}: it holds none of our partitions", endpoint=endpoint)
+            log.info("closing the connections to {endpoint}: it holds no partition any more", endpoint=endpoint)
             self._servers.pop(endpoint).close()
         for pid in [p for p in self._location_waiters if p in locations]:
             for d in self._location_waiters.pop(pid):
@@ -269,8 +273,19 @@ class WaltzClient:
             partition.submit(submission)
 
     def flush(self, partition_id=None):
-        """Fires once every append pending now (on ``partition_id``, or on all partitions) is settled."""
-        partitions = [self._partition(partition_id)] if partition_id is not None else self._partitions.values()
+        """Fires once every append pending now (on ``partition_id``, or on all partitions) is settled.
+        Called while the client is starting, it first waits for the start (executions submitted
+        meanwhile are sent then)."""
+        if self.state is ClientState.STARTING:
+            return self.when_started().addCallback(lambda _: self.flush(partition_id))
+        try:
+            if partition_id is not None:
+                partitions = [self._partition(partition_id)]
+            else:
+                self._check_running()
+                partitions = list(self._partitions.values())
+        except Exception:
+            return defer.fail()
         return defer.gatherResults([p.flush() for p in partitions]).addCallback(lambda _: None)
 
     def has_pending_transactions(self) -> bool:
@@ -289,6 +304,10 @@ class WaltzClient:
         With ``timeout`` (seconds), fails with :class:`HighWaterMarkTimeout` naming the partitions that
         did not answer in time (a partition not served anywhere answers nothing).
         """
+        try:
+            self._check_running()       # before the client joined, "every partition" is none yet
+        except Exception:
+            return defer.fail()
         pids = sorted(self._partitions if partition_ids is None else set(partition_ids))
         asks = [self.high_water_mark(pid) for pid in pids]
         if timeout is not None:

@@ -31,8 +31,9 @@ CLIENT_ONLY_KEYS = (
         "right now (after a delay doubling from client.mountRetryInterval)"),
     Key("client.mountRetryInterval", milliseconds, 500,
         "ms to wait before mounting again after a NOT_READY mount response"),
-    Key("client.reconnectInitialInterval", non_negative_milliseconds, 100,
-        "ms before the second attempt to reconnect to a server (the first is immediate)"),
+    Key("client.reconnectInitialInterval", milliseconds, 100,
+        "ms before the second attempt to reconnect to a server (the first is immediate); at least 1, "
+        "since the back-off doubles from it"),
     Key("client.reconnectMaxInterval", milliseconds, 5000,
         "upper bound in ms of the doubling reconnect back-off, which starts over once a connection "
         "has served this long"),

@@ -146,6 +146,9 @@ class Backoff:
     connection has served at least ``maximum`` seconds."""
 
     def __init__(self, initial, maximum):
+        if not 0 < initial <= maximum:
+            # 0 would never double: every attempt would follow the last at once, a busy loop.
+            raise ValueError("reconnect back-off needs 0 < initial (%r) <= maximum (%r)" % (initial, maximum))
         self.initial = initial
         self.maximum = maximum
         self._next = 0.0
