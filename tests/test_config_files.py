@@ -54,6 +54,14 @@ def test_a_storage_directory_that_is_a_file_is_refused_at_config_time(tmp_path):
         load_config(path, STORAGE_KEYS)
 
 
+def test_a_storage_directory_with_a_nul_character_is_refused_at_config_time(tmp_path):
+    # It passed, and the daemon died after connecting to ZooKeeper with "embedded null byte", naming no key.
+    from waltz.storage.config import STORAGE_KEYS
+    path = written(tmp_path, 'zookeeper.connectString: 127.0.0.1:2181\ncluster.root: /x\nstorage.directory: "/tmp/a\\0b"\n')
+    with pytest.raises(ConfigError, match="config key 'storage.directory': a path cannot contain a NUL character"):
+        load_config(path, STORAGE_KEYS)
+
+
 @pytest.mark.parametrize("host", ["a b", "", "host/x"])
 def test_a_server_host_clients_could_not_reach_is_refused(tmp_path, host):
     from waltz.server.config import SERVER_KEYS

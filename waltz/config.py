@@ -138,6 +138,8 @@ def directory(value):
     text = _parse_str(value)
     if not text:
         raise ValueError("expected a directory path")
+    if "\0" in text:
+        raise ValueError("a path cannot contain a NUL character")
     path = os.path.abspath(os.path.expanduser(text))
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError("%s exists and is not a directory" % path)

@@ -29,7 +29,11 @@ def test_option_types(parse, good, bad):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["dev", "up", "--partitions", "0"], "argument --partitions: expected a positive integer, got '0'"),
+    (["dev", "up", "--partitions", "0"], "argument --partitions: expected a partition count from 1 to 10000, got '0'"),
+    # A mistyped count used to create znodes until ZooKeeper ran out of memory.
+    (["cluster", "create", "-n", "a", "-p", "99999999999"],
+     "argument --partitions/-p: expected a partition count from 1 to 10000, got '99999999999'"),
+    (["cluster", "create", "-n", "a", "-p", "10001"], "argument --partitions/-p: expected a partition count"),
     (["dev", "status", "--zookeeper-port", "70000"], "argument --zookeeper-port: expected a port number"),
     (["zookeeper", "start", "--port", "70000"], "argument --port: expected a port number 1-65535, got '70000'"),
     (["zookeeper", "stop", "--timeout", "-1"], "argument --timeout: expected a positive number of seconds"),

@@ -774,3 +774,13 @@ def test_a_store_partition_that_fails_to_close_is_logged_not_left_in_a_deferred(
         globalLogPublisher.removeObserver(events.append)
     [logged] = [e for e in events if e.get("log_format") == "closing store partition {pid} failed"]
     assert logged["pid"] == 0 and logged["log_failure"].check(RuntimeError)
+
+
+def test_an_error_about_bad_partition_ids_names_a_few_and_counts_the_rest():
+    # One request with millions of bad ids made a log line of tens of megabytes.
+    from waltz.server.membership import InvalidPartitions, check_partitions
+    with pytest.raises(InvalidPartitions) as raised:
+        check_partitions(list(range(4, 4000000)) + [9], 4)
+    assert str(raised.value) == "partition ids [4, 5, 6, 7, 8, 9, 10, 11, 12, 13] and 3999986 more are not in 0..3"
+    with pytest.raises(InvalidPartitions, match=r"^partition ids \[-1, 7\] are not in 0..3$"):
+        check_partitions([7, -1, 0, 7], 4)

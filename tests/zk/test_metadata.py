@@ -54,6 +54,15 @@ async def test_create_refuses_an_existing_root(cluster_metadata):
         await cluster_metadata.create_cluster("again", 2)
 
 
+@pytest.mark.parametrize("count", [0, 10001, 2 ** 31 - 1])
+@pytest_twisted.ensureDeferred
+async def test_create_refuses_a_partition_count_out_of_bounds_and_writes_nothing(zk_client, cluster_root, count):
+    metadata = ClusterMetadata(zk_client, cluster_root)
+    with pytest.raises(ValueError, match="a cluster has 1 to 10000 partitions, not %d" % count):
+        await metadata.create_cluster("demo", count)
+    assert await zk_client.exists(cluster_root) is None
+
+
 @pytest_twisted.ensureDeferred
 async def test_reads_of_a_missing_cluster_say_so(zk_client, cluster_root):
     metadata = ClusterMetadata(zk_client, cluster_root)

@@ -20,8 +20,8 @@ from twisted.internet import defer, task
 from twisted.logger import globalLogBeginner, textFileLogObserver
 from twisted.python.failure import Failure
 
-from waltz.cli.common import (CliError, debugging, milliseconds, non_negative_int, parse_partition_list, port,
-                              positive_int, positive_seconds)
+from waltz.cli.common import (CliError, debugging, milliseconds, non_negative_int, parse_partition_list,
+                              partition_count, port, positive_seconds)
 from waltz.config import ZOOKEEPER_KEYS, ConfigError, build_config, flatten, read_yaml
 from waltz.zk.bridge import ZooKeeperClient
 from waltz.zk.metadata import ClusterMetadata
@@ -298,7 +298,7 @@ _GROUP = (("--group", "-g"), dict(type=non_negative_int, metavar="G", help="stor
 SUBCOMMANDS = (
     ("create", "create the cluster's znodes", _create, _options(
         (("--name", "-n"), dict(type=cluster_name, help="the cluster's name")),
-        (("--partitions", "-p"), dict(type=positive_int, metavar="P", help="number of partitions")))),
+        (("--partitions", "-p"), dict(type=partition_count, metavar="P", help="number of partitions")))),
     ("show", "print the cluster's metadata", _show, _options()),
     ("delete", "delete the cluster's znodes (refused while servers are registered, and always for a root "
                "that is not a Waltz cluster)", _delete,

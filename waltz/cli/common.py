@@ -13,6 +13,7 @@ from waltz.config import ConfigError
 from waltz.local.daemons import DaemonError
 from waltz.local.zookeeper import ZooKeeperLaunchError
 from waltz.zk.errors import ZooKeeperLayerError
+from waltz.zk.metadata import MAX_PARTITIONS
 
 
 class CliError(Exception):
@@ -39,6 +40,15 @@ def argument_type(validate, expected):
 
 #: An argparse type: an integer >= 1 (counts).
 positive_int = argument_type(config.positive_int, "a positive integer")
+def _partition_count(text):
+    number = config.positive_int(text)
+    if number > MAX_PARTITIONS:
+        raise ValueError("too many partitions")
+    return number
+
+
+#: An argparse type: a cluster's number of partitions, 1 to :data:`~waltz.zk.metadata.MAX_PARTITIONS`.
+partition_count = argument_type(_partition_count, "a partition count from 1 to %d" % MAX_PARTITIONS)
 #: An argparse type: an integer >= 0 (ids, offsets).
 non_negative_int = argument_type(config.non_negative_int, "a non-negative integer")
 #: An argparse type: a TCP port number.

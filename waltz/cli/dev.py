@@ -9,7 +9,7 @@ transaction id.
 
 from twisted.internet import defer, threads
 
-from waltz.cli.common import CliError, port, positive_int
+from waltz.cli.common import CliError, partition_count, port
 from waltz.cli.cluster import quiet_kazoo, run_reactor
 from waltz.cli.storage import StorageNodeClient
 from waltz.local.daemons import DaemonError
@@ -130,6 +130,6 @@ def register(subparsers):
                          help="ZooKeeper client port on 127.0.0.1 (default: the run directory's last one, "
                               "else %d)" % DEFAULT_ZOOKEEPER_PORT)
         sub.add_argument("--root", default=DEFAULT_ROOT, help="cluster root znode (default %(default)s)")
-        sub.add_argument("--partitions", type=positive_int, default=4,
+        sub.add_argument("--partitions", type=partition_count, default=4,
                          help="partitions of a new cluster (default 4)")
         sub.set_defaults(func=func)

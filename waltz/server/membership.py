@@ -94,9 +94,15 @@ class InvalidPartitions(ValueError):
 
 def check_partitions(partition_ids, num_partitions):
     """Raise :class:`InvalidPartitions` naming the ids of ``partition_ids`` outside the cluster's partitions."""
-    bad = sorted(p for p in partition_ids if not 0 <= p < num_partitions)
+    bad = sorted(set(p for p in partition_ids if not 0 <= p < num_partitions))
     if bad:
-        raise InvalidPartitions("partition ids %s are not in 0..%d" % (bad, num_partitions - 1))
+        # A request may carry millions of ids: the message (logged) names a few and counts the rest.
+        shown = ", ".join(str(p) for p in bad[:_BAD_IDS_SHOWN])
+        more = " and %d more" % (len(bad) - _BAD_IDS_SHOWN) if len(bad) > _BAD_IDS_SHOWN else ""
+        raise InvalidPartitions("partition ids [%s]%s are not in 0..%d" % (shown, more, num_partitions - 1))
+
+
+_BAD_IDS_SHOWN = 10
 
 
 class ServerMembership:

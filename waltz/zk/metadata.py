@@ -39,6 +39,9 @@ from waltz.zk.znodes import (EMPTY_PARTITION_METADATA, ClusterParams, ClusterPat
 
 #: Partition metadata znodes created per multi-op by ``create_cluster`` (keeps requests small).
 PARTITION_BATCH = 500
+#: The most partitions a cluster may have. Every partition is a znode, a slot in each storage's control
+#: file and a Deferred when the cluster is described: a mistyped count must not fill ZooKeeper.
+MAX_PARTITIONS = 10000
 
 
 @attr.s(frozen=True, slots=True, auto_attribs=True)
@@ -306,8 +309,8 @@ class ClusterMetadata:
         in one multi-op; then the partition metadata znodes, in batches. Fails with
         :class:`ClusterExistsError` if the root exists.
         """
-        if num_partitions < 1:
-            raise ValueError("a cluster needs at least one partition, got %d" % num_partitions)
+        if not 1 <= num_partitions <= MAX_PARTITIONS:
+            raise ValueError("a cluster has 1 to %d partitions, not %d" % (MAX_PARTITIONS, num_partitions))
         paths = self.paths
         if (yield self.zk.exists(paths.root)) is not None:
             raise ClusterExistsError("cluster root %s already exists" % paths.root)
