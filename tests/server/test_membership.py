@@ -672,22 +672,24 @@ def test_a_reconcile_pass_that_fails_after_stop_arms_no_retry():
     assert clock.getDelayedCalls() == []
 
 
-def _failing_first_give_up(calls):
+def _member_whose_first_give_up_fails(clock, calls):
+    """``(cluster, membership)``: a member in contact now, whose first ``on_assignment`` raises."""
     def on_assignment(partitions):
         calls.append(dict(partitions))
         if len(calls) == 1:
             raise RuntimeError("closing a partition failed")
-    return on_assignment
+    cluster = _OneSessionCluster(_assignment())
+    membership = _member_of(cluster, clock, [])
+    membership.on_assignment = on_assignment
+    membership._contact(clock.seconds())
+    return cluster, membership
 
 
 def test_a_give_up_that_raises_is_tried_again_at_the_next_probe():
     # The failed give-up used to count the partitions as given up (a later one gave up nothing), and its
     # exception stopped the prober for good.
     clock, calls = Clock(), []
-    cluster = _OneSessionCluster(_assignment())
-    membership = _member_of(cluster, clock, [])
-    membership.on_assignment = _failing_first_give_up(calls)
-    membership._contact(clock.seconds())
+    cluster, membership = _member_whose_first_give_up_fails(clock, calls)
     membership._prober.start(membership.probe_interval, now=False)
     clock.advance(membership.give_up_after + membership.probe_interval)
     assert calls == [{}] and membership._prober.running
@@ -701,10 +703,7 @@ def test_a_give_up_that_raises_is_tried_again_at_the_next_probe():
 def test_after_a_give_up_that_raised_the_session_expiry_gives_the_partitions_up():
     from waltz.zk.bridge import SessionState
     clock, calls = Clock(), []
-    cluster = _OneSessionCluster(_assignment())
-    membership = _member_of(cluster, clock, [])
-    membership.on_assignment = _failing_first_give_up(calls)
-    membership._contact(clock.seconds())
+    cluster, membership = _member_whose_first_give_up_fails(clock, calls)
     cluster.zk.connected = False
     membership._session_changed(SessionState.SUSPENDED)
     clock.advance(membership.give_up_after)             # disconnected too long: the give-up raises
