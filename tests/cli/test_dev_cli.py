@@ -75,7 +75,7 @@ def test_status_without_a_cluster_says_so(dev):
 
 def test_bad_arguments_are_one_line_errors(dev):
     assert "expected a port number 1-65535, got 'many'" in refused("dev", "up", "--zookeeper-port", "many", code=2)
-    assert "expected a positive integer, got '0'" in refused("dev", "up", "--partitions", "0", code=2)
+    assert "expected a partition count from 1 to 10000, got '0'" in refused("dev", "up", "--partitions", "0", code=2)
 
 
 class _Recorder:

@@ -119,11 +119,12 @@ def test_every_blocking_call_refuses_the_reactor_thread():
 async def test_a_callback_may_close_the_client_from_its_worker_thread():
     store, server, port, discovery = fake_cluster()
     store.commit(0, ReqId(99, 1, 0, 0), 5, b"first")
-    closed = threading.Event()
+    closed, made = threading.Event(), threading.Event()
     errors = []
 
     class Closing(BlockingCallbacks):
         def apply_transaction(self, transaction):
+            made.wait(20)                   # the apply may start before the constructor has returned
             try:
                 self.client.close()
             except Exception as exc:        # before the fix: "cannot join current thread"
@@ -133,6 +134,7 @@ async def test_a_callback_may_close_the_client_from_its_worker_thread():
     def script():
         callbacks = Closing()
         callbacks.client = BlockingWaltzClient(callbacks, BASE_CONFIG, discovery=discovery, timeout=20)
+        made.set()
         assert closed.wait(20)
         return callbacks.client
     try:

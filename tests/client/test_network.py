@@ -201,8 +201,10 @@ def test_the_hello_deadline_is_cancelled_once_ready_and_on_close(setup):
 def test_a_back_off_that_could_not_grow_is_refused():
     # An initial interval of 0 never doubled: every reconnect followed the last at once, a busy loop on
     # the reactor against a dead server.
-    with pytest.raises(ValueError, match="0 < initial"):
+    with pytest.raises(ValueError, match="initial delay above 0"):
         Backoff(0, 5.0)
+    backoff = Backoff(10.0, 0.05)           # an initial delay above the maximum is capped, as before
+    assert [backoff.next_delay() for _ in range(3)] == [0.0, 0.05, 0.05]
     from waltz.config import ConfigError
     from tests.client.fakes import BASE_CONFIG
     from waltz.client.config import client_config

@@ -16,3 +16,23 @@ async def test_a_call_after_stop_fails_at_once_instead_of_never_firing():
     assert late.called
     with pytest.raises(RuntimeError, match="the waltz-test-worker thread is stopped"):
         await late
+
+
+@pytest_twisted.ensureDeferred
+async def test_calls_queued_behind_a_stuck_one_do_not_run_once_stop_gave_up_waiting():
+    # A stopping thread pool still runs what was queued: an apply queued behind a stuck callback ran after
+    # close() had given up waiting and raised.
+    import threading
+
+    from twisted.internet import threads
+    worker = WorkerThread(reactor, "waltz-test-worker")
+    release, ran = threading.Event(), []
+    stuck = worker.run(release.wait, 30)
+    queued = worker.run(ran.append, "queued")
+    with pytest.raises(TimeoutError, match="did not finish its current call within 0.2 s"):
+        await threads.deferToThread(worker.stop, 0.2)
+    release.set()
+    assert await stuck is True
+    with pytest.raises(RuntimeError, match="the waltz-test-worker thread is stopped"):
+        await queued
+    assert ran == []

@@ -711,30 +711,75 @@ def test_after_a_give_up_that_raised_the_session_expiry_gives_the_partitions_up(
     assert calls == [{}, {}] and membership.partitions == {}
 
 
-def test_an_assignment_applied_in_part_is_given_up_on_expiry_and_the_rest_is_reported():
-    # Opening partition 1 raised while partition 0 opened: the membership recorded nothing held, and the
-    # expiry's give-up skipped partition 0, which stayed open on this server.
+def test_a_give_up_that_raised_while_disconnected_is_tried_again_at_the_next_probe():
+    # The disconnected timer fires once, and the probes' check returned at once while disconnected:
+    # partitions whose give-up raised stayed held for as long as ZooKeeper stayed unreachable.
     from waltz.zk.bridge import SessionState
+    clock, calls = Clock(), []
+    cluster, membership = _member_whose_first_give_up_fails(clock, calls)
+    membership._prober.start(membership.probe_interval, now=False)
+    cluster.zk.connected = False
+    membership._session_changed(SessionState.SUSPENDED)
+    clock.advance(membership.give_up_after)             # the disconnected timer: the give-up raises
+    assert calls == [{}]
+    clock.advance(membership.probe_interval)
+    assert calls == [{}, {}] and membership.partitions == {}
+    clock.advance(membership.probe_interval)
+    assert calls == [{}, {}]
+    membership.stop()
 
-    class FlakyStore(DummyStore):
-        def partition(self, partition_id, generation):
-            if partition_id == 1:
-                raise RuntimeError("cannot open partition 1")
-            return super().partition(partition_id, generation)
-    clock, store = Clock(), FlakyStore()
+
+class _FlakyStore(DummyStore):
+    """Opening partition 1 raises while ``failing``."""
+
+    failing = True
+
+    def partition(self, partition_id, generation):
+        if partition_id == 1 and self.failing:
+            raise RuntimeError("cannot open partition 1")
+        return super().partition(partition_id, generation)
+
+
+def _member_with_flaky_partitions(clock):
+    """``(cluster, membership, partitions, store)``: server 1, assigned {0: 5, 1: 5}, opening partition 1
+    fails until ``store.failing`` is cleared."""
+    store = _FlakyStore()
     partitions = ServerPartitions(store, DummyPartition)
-    cluster = _OneSessionCluster(_assignment())         # {0: 5, 1: 5} for server 1
+    cluster = _OneSessionCluster(_assignment())
     membership = _member_of(cluster, clock, [])
     membership.partitions = {}
     membership.on_assignment = partitions.assign
     membership.request_reconcile()
     cluster.descriptor_reads[0].callback(_descriptors(111))
-    assert sorted(partitions.opened) == [0] and membership.partitions == {0: 5, 1: 5}
+    return cluster, membership, partitions, store
+
+
+def test_an_assignment_applied_in_part_is_given_up_on_expiry_and_the_rest_is_reported():
+    # Opening partition 1 raised while partition 0 opened: the membership recorded nothing held, and the
+    # expiry's give-up skipped partition 0, which stayed open on this server.
+    from waltz.zk.bridge import SessionState
+    clock = Clock()
+    cluster, membership, partitions, store = _member_with_flaky_partitions(clock)
+    assert sorted(partitions.opened) == [0]
     assert partitions.problems() == ["partition 1 (generation 5) could not be opened: cannot open partition 1",
                                      "partition 0 (generation 5): the store is not writing"]
     membership._session_changed(SessionState.EXPIRED)
     assert partitions.opened == {} and partitions.problems() == []
     assert store.closed == [1, 0]                       # partition 1's store partition too, had it been made
+
+
+def test_a_partition_that_could_not_be_opened_is_opened_again_by_the_reconcile_retry():
+    # Caught and recorded, the failure let the membership count the assignment as applied: the same
+    # assignment never reached the partitions again, and partition 1 stayed unserved everywhere.
+    clock = Clock()
+    cluster, membership, partitions, store = _member_with_flaky_partitions(clock)
+    assert sorted(partitions.opened) == [0]
+    store.failing = False
+    clock.advance(membership.retry_interval)            # the reconcile retry
+    cluster.descriptor_reads[-1].callback(_descriptors(111))
+    assert sorted(partitions.opened) == [0, 1] and membership.partitions == {0: 5, 1: 5}
+    assert store.opened == [(0, 5), (1, 5)]             # partition 0 was not opened twice
+    membership.stop()
 
 
 def test_an_assignment_whose_application_raised_is_still_given_up_on_expiry():

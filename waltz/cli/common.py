@@ -40,10 +40,12 @@ def argument_type(validate, expected):
 
 #: An argparse type: an integer >= 1 (counts).
 positive_int = argument_type(config.positive_int, "a positive integer")
+
+
 def _partition_count(text):
     number = config.positive_int(text)
     if number > MAX_PARTITIONS:
-        raise ValueError("too many partitions")
+        raise ValueError(number)
     return number
 
 

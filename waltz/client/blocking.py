@@ -128,7 +128,8 @@ def _wait_for_answer(reactor, results, timeout):
         try:
             return results.get(timeout=wait)
         except queue.Empty:
-            _refuse_stopped(reactor)
+            if _stopped(reactor) and results.empty():   # (an answer put just before it stopped counts)
+                _refuse_stopped(reactor)
 
 
 @attr.s(frozen=True, slots=True)

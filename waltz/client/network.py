@@ -146,9 +146,9 @@ class Backoff:
     connection has served at least ``maximum`` seconds."""
 
     def __init__(self, initial, maximum):
-        if not 0 < initial <= maximum:
+        if not initial > 0:
             # 0 would never double: every attempt would follow the last at once, a busy loop.
-            raise ValueError("reconnect back-off needs 0 < initial (%r) <= maximum (%r)" % (initial, maximum))
+            raise ValueError("reconnect back-off needs an initial delay above 0, not %r" % (initial,))
         self.initial = initial
         self.maximum = maximum
         self._next = 0.0

@@ -27,13 +27,23 @@ class WorkerThread:
         self._pool = ThreadPool(1, 1, name=name)
         self._pool.threadFactory = _daemon_thread
         self._pool.start()
+        self._stopping = False
 
     def run(self, function, *args):
         """Run ``function(*args)`` in the worker thread; a Deferred of its result (a failure once the
-        worker is stopped: a stopped pool takes the call and never runs it)."""
-        if self._pool.joined:
-            return defer.fail(RuntimeError("the %s thread is stopped" % self._pool.name))
-        return threads.deferToThreadPool(self._reactor, self._pool, function, *args)
+        worker is stopping or stopped: a stopped pool takes the call and never runs it)."""
+        if self._stopping or self._pool.joined:
+            return defer.fail(self._stopped_error())
+        return threads.deferToThreadPool(self._reactor, self._pool, self._unless_stopping, function, *args)
+
+    def _unless_stopping(self, function, *args):
+        # A stopping pool still runs the calls queued before: those fail instead.
+        if self._stopping:
+            raise self._stopped_error()
+        return function(*args)
+
+    def _stopped_error(self):
+        return RuntimeError("the %s thread is stopped" % self._pool.name)
 
     def in_worker(self) -> bool:
         """True when called from the worker thread itself."""
@@ -43,6 +53,7 @@ class WorkerThread:
         """Stop the thread once its current call returns; no later call runs. Blocks until then, at
         most ``timeout`` seconds (None: no limit; :class:`TimeoutError` after it, the thread being
         left to finish its call), unless called from the thread itself, which cannot wait for itself."""
+        self._stopping = True
         if self.in_worker():
             self._stop_in_helper_thread()
         elif timeout is None:

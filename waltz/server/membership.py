@@ -334,11 +334,16 @@ class ServerMembership:
         """Give the partitions up when the last confirmed contact is ``give_up_after`` old although the
         connection is up: a follower cut off from the leader keeps answering pings (kazoo stays connected)
         while the leader, which expires sessions, hears nothing. (Disconnected, the timer armed on
-        SUSPENDED does it.) Checked at each probe, so up to T/6 late: still before T."""
+        SUSPENDED does it; a give-up of that timer that raised is tried again here.) Checked at each
+        probe, so up to T/6 late: still before T."""
         holding = self.partitions or self._holding_unknown
-        if self._last_contact is None or not holding or not self.cluster.zk.connected:
+        if self._last_contact is None or not holding:
             return
         silent = self.reactor.seconds() - self._last_contact
+        if not self.cluster.zk.connected:
+            if self._disconnected_call is None and silent >= self.give_up_after:
+                self._disconnected_too_long()
+            return
         if silent >= self.give_up_after:
             self.given_up_while_connected = ("partitions given up: no ZooKeeper probe answered for %.1f s "
                                              "although connected (the leader may not hear from this session)"

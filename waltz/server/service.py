@@ -68,6 +68,10 @@ def server_partition_factory(config, reactor, registry):
     return make
 
 
+class PartitionOpenError(RuntimeError):
+    """Some partitions of an assignment could not be opened (the others were); names them and why."""
+
+
 class ServerMetrics:
     """The server's own metrics (the store's are :class:`StoreMetrics` in the same registry)."""
 
@@ -147,12 +151,18 @@ class ServerPartitions:
             del self.lost[partition_id]
         for partition_id in [pid for pid in self.failures if pid not in self.opened]:
             del self.failures[partition_id]     # could not be opened: tried again below, if still assigned
-        for partition_id, generation in sorted(assigned.items()):
-            if partition_id not in self.opened and partition_id not in self.lost:
-                self._open(partition_id, generation)
+        unopened = [partition_id for partition_id, generation in sorted(assigned.items())
+                    if partition_id not in self.opened and partition_id not in self.lost
+                    and not self._open(partition_id, generation)]
         self._check_lost_later()
+        if unopened:
+            # The others are open. Raised, the membership tries the same assignment again shortly (its
+            # reconcile retry), and only these are opened again.
+            raise PartitionOpenError("partitions %s could not be opened: %s" % (
+                unopened, "; ".join(self.failures[pid] for pid in unopened)))
 
     def _open(self, partition_id, generation):
+        """Open the partition; False (logged, and reported by problems()) if that raised."""
         self.log.info("opening partition {pid} at generation {generation}", pid=partition_id, generation=generation)
         try:
             store_partition = self.store.partition(partition_id, generation)
@@ -164,7 +174,7 @@ class ServerPartitions:
             self.log.failure("partition {pid} (generation {generation}) could not be opened", pid=partition_id,
                              generation=generation)
             self._close_store_partition(partition_id)
-            return
+            return False
         self.opened[partition_id] = partition
         self._store_partitions[partition_id] = store_partition
         if self.metrics is not None:
@@ -172,6 +182,7 @@ class ServerPartitions:
             self.metrics.generation.set(generation, partition_id)
         d = defer.maybeDeferred(partition.start)
         d.addCallbacks(self._started, self._start_failed, callbackArgs=(partition,), errbackArgs=(partition,))
+        return True
 
     def _current(self, partition):
         return self.opened.get(partition.partition_id) is partition

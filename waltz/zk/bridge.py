@@ -13,9 +13,12 @@ Kazoo's exceptions (``NoNodeError``, ``NodeExistsError``, ``BadVersionError``,
 Deferreds' failures, unchanged; only a failed connect is reported as
 :class:`~waltz.zk.errors.ZooKeeperConnectError`.
 
-Every request, and the set-up of every persistent watch, is bounded: while the
-connection is down kazoo queues requests until it is back, so without a bound a
-caller would wait for the whole outage. After ``request_timeout_ms`` (default: the
+Every request method (``create``, ``get``, ``set``, ``exists``, ``get_children``,
+a non-recursive ``delete``, ``ensure_path``, ``sync``, a transaction's ``commit``) and
+the set-up of every persistent watch is bounded: while the connection is down kazoo
+queues requests until it is back, so without a bound a caller would wait for the
+whole outage. (``run_blocking`` and a recursive ``delete`` run kazoo's blocking calls
+in the thread pool, unbounded; ``close`` ends them.) After ``request_timeout_ms`` (default: the
 session timeout) it fails with :class:`~waltz.zk.errors.ZooKeeperRequestTimeout`,
 a ``ConnectionLoss``: the outcome is unknown, as for any request in flight when a
 connection drops, and a late answer is ignored.
@@ -271,7 +274,7 @@ class ZooKeeperClient:
             else:
                 self._reactor.callFromThread(self._settle, d, d.callback, value)
 
-        self._bound(d, getattr(start, "__name__", "request"))
+        self._bound(d, "a %s request" % getattr(start, "__name__", "").replace("_async", ""))
         async_result.rawlink(completed)
         return d
 
@@ -405,19 +408,17 @@ class ZooKeeperClient:
         after the request timeout (the late watch then stops at its first call)."""
         if self._closing.is_set() or self._kazoo.client_state == KeeperState.CLOSED:
             return defer.fail(ConnectionClosedError("the ZooKeeper client is closed or not connected"))
-        outcome = defer.Deferred()
+        outcome = defer.Deferred(lambda _: handle.cancel())   # cancelled: a late watch stops at its first call
 
         def built(watch):
             if getattr(watch, "_stopped", False):     # ChildrenWatch: the znode did not exist
                 raise NoNodeError("cannot watch the children of %s: no such znode" % path)
             return handle
 
-        def cancel():
-            handle.cancel()
         d = self._blocking(recipe, path, on_change).addCallback(built)
         d.addCallbacks(lambda result: self._settle(outcome, outcome.callback, result),
                        lambda failure: self._settle(outcome, outcome.errback, failure))
-        self._bound(outcome, "the watch of %s" % path, on_timeout=cancel)
+        self._bound(outcome, "the set-up of a watch of %s" % path, on_timeout=handle.cancel)
         return outcome
 
     def _if_active(self, handle, callback, *args):

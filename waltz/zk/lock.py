@@ -83,8 +83,8 @@ class ZnodeMutex:
     def _abandon(self, token):
         """A create given up on may still be applied (ZooKeeper answers a session's requests in order, so a
         read sent now is answered after it): delete the znode if it turns out to be that create's. A read or
-        delete that loses its connection is sent again (kazoo holds it until the session reconnects) as long as
-        the session lasts: a znode left behind would hold the lock for nobody until the session ends."""
+        delete that loses its connection, or gets no answer within the bridge's request timeout, is sent again as
+        long as the session lasts: a znode left behind would hold the lock for nobody until the session ends."""
         session = self._zk.session_id
 
         def check(result):
