@@ -26,9 +26,14 @@ async def test_calls_queued_behind_a_stuck_one_do_not_run_once_stop_gave_up_wait
 
     from twisted.internet import threads
     worker = WorkerThread(reactor, "waltz-test-worker")
-    release, ran = threading.Event(), []
-    stuck = worker.run(release.wait, 30)
+    started, release, ran = threading.Event(), threading.Event(), []
+
+    def stuck_call():
+        started.set()
+        return release.wait(30)
+    stuck = worker.run(stuck_call)
     queued = worker.run(ran.append, "queued")
+    await threads.deferToThread(started.wait, 30)
     with pytest.raises(TimeoutError, match="did not finish its current call within 0.2 s"):
         await threads.deferToThread(worker.stop, 0.2)
     release.set()
