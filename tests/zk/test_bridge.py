@@ -294,3 +294,44 @@ async def test_watches_fail_when_closed_or_on_a_missing_znode(zookeeper, cluster
     for watch in (client.watch_data, client.watch_children):
         with pytest.raises(ConnectionClosedError):
             await watch(cluster_root, lambda *a: None)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_cancelled_watch_leaves_nothing_registered_in_kazoo(zk_client, cluster_root):
+    # Cancelling only muted the callback: each watch kept a kazoo session listener (re-reading its znode at
+    # every reconnect) until the znode next changed.
+    await zk_client.create(cluster_root + "/w", b"x", makepath=True)
+    before = len(zk_client.kazoo.state_listeners)
+    for _ in range(20):
+        (await zk_client.watch_data(cluster_root + "/w", lambda *a: None)).cancel()
+        (await zk_client.watch_children(cluster_root, lambda *a: None)).cancel()
+    assert len(zk_client.kazoo.state_listeners) == before
+    seen = Recorder()
+    handle = await zk_client.watch_data(cluster_root + "/w", seen)
+    await zk_client.set(cluster_root + "/w", b"y")
+    await seen.wait_for(2)
+    handle.cancel()
+    await zk_client.set(cluster_root + "/w", b"z")
+    await zk_client.sync(cluster_root)
+    from twisted.internet import task
+    await task.deferLater(reactor, 0.3, lambda: None)
+    assert [data for data, _ in seen.calls] == [b"x", b"y"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_cancelling_a_watch_set_up_stops_the_watch_it_sets_up(zk_client, cluster_root):
+    # The set-up's Deferred had no canceller: cancelled, its caller got no handle, and the watch called
+    # back for ever.
+    await zk_client.create(cluster_root + "/w", b"x", makepath=True)
+    before = len(zk_client.kazoo.state_listeners)
+    seen = Recorder()
+    setting_up = zk_client.watch_data(cluster_root + "/w", seen)
+    setting_up.cancel()
+    with pytest.raises(defer.CancelledError):
+        await setting_up
+    from twisted.internet import task
+    await task.deferLater(reactor, 0.5, lambda: None)          # the set-up ends in the thread pool
+    await zk_client.set(cluster_root + "/w", b"y")
+    await zk_client.sync(cluster_root)
+    await task.deferLater(reactor, 0.3, lambda: None)
+    assert seen.calls == [] and len(zk_client.kazoo.state_listeners) == before

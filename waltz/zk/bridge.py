@@ -102,13 +102,23 @@ class Transaction:
 
 
 class WatchHandle:
-    """Returned by the ``watch_*`` methods; :meth:`cancel` stops further callbacks."""
+    """Returned by the ``watch_*`` methods; :meth:`cancel` stops further callbacks and the watch itself."""
 
     def __init__(self):
         self.cancelled = False
+        self._stop = None
+
+    def attach(self, stop):
+        """``stop()`` ends the underlying watch: at :meth:`cancel`, or now if that came first."""
+        self._stop = stop
+        if self.cancelled:
+            stop()
 
     def cancel(self):
         self.cancelled = True
+        if self._stop is not None:
+            stop, self._stop = self._stop, None
+            stop()
 
 
 class ZooKeeperClient:
@@ -413,6 +423,7 @@ class ZooKeeperClient:
         def built(watch):
             if getattr(watch, "_stopped", False):     # ChildrenWatch: the znode did not exist
                 raise NoNodeError("cannot watch the children of %s: no such znode" % path)
+            handle.attach(lambda: self._stop_watch(watch))
             return handle
 
         d = self._blocking(recipe, path, on_change).addCallback(built)
@@ -420,6 +431,13 @@ class ZooKeeperClient:
                        lambda failure: self._settle(outcome, outcome.errback, failure))
         self._bound(outcome, "the set-up of a watch of %s" % path, on_timeout=handle.cancel)
         return outcome
+
+    def _stop_watch(self, watch):
+        """End a kazoo watch recipe now. Kazoo ends one only when its function returns False, at the
+        znode's next change: until then its session listener stays, and reads the znode at every reconnect.
+        (Kazoo offers no public way; its recipes check ``_stopped`` before every read.)"""
+        watch._stopped = True
+        self._kazoo.remove_listener(watch._session_watcher)
 
     def _if_active(self, handle, callback, *args):
         if not handle.cancelled:
