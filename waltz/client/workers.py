@@ -32,7 +32,7 @@ class WorkerThread:
     def run(self, function, *args):
         """Run ``function(*args)`` in the worker thread; a Deferred of its result (a failure once the
         worker is stopping or stopped: a stopped pool takes the call and never runs it)."""
-        if self._stopping or self._pool.joined:
+        if self._stopping:
             return defer.fail(self._stopped_error())
         return threads.deferToThreadPool(self._reactor, self._pool, self._unless_stopping, function, *args)
 

@@ -168,8 +168,8 @@ class ServerPartitions:
             store_partition = self.store.partition(partition_id, generation)
             partition = self.factory(partition_id, generation, store_partition)
         except Exception as exc:
-            # Not opened (and reported by problems()), so the next assignment tries again; the other
-            # partitions of this assignment open all the same.
+            # Not opened (and reported by problems()): assign() opens the others, then raises, so that the
+            # membership tries this one again.
             self.failures[partition_id] = str(exc) or repr(exc)
             self.log.failure("partition {pid} (generation {generation}) could not be opened", pid=partition_id,
                              generation=generation)

@@ -288,11 +288,9 @@ class ZooKeeperClient:
         async_result.rawlink(completed)
         return d
 
-    def _bound(self, d, what, on_timeout=None):
+    def _bound(self, d, what):
         """Fail ``d`` with :class:`ZooKeeperRequestTimeout` unless it fires within the request timeout."""
         def expire():
-            if on_timeout is not None:
-                on_timeout()
             d.errback(ZooKeeperRequestTimeout(
                 "ZooKeeper at %s did not answer %s within %d ms (connection lost?); its outcome is unknown"
                 % (self.connect_string, what, self.request_timeout_ms)))
@@ -415,10 +413,11 @@ class ZooKeeperClient:
         """Build kazoo's watch ``recipe`` in the thread pool; fires with ``handle``. Fails at once once
         closed or before connecting (kazoo's recipes would swallow that and never call back), with
         :class:`NoNodeError` when a children watch's znode does not exist (kazoo's stops silently), and
-        after the request timeout (the late watch then stops at its first call)."""
+        after the request timeout. Whenever it fails (cancelled too), the watch it sets up is stopped: nobody
+        holds its handle."""
         if self._closing.is_set() or self._kazoo.client_state == KeeperState.CLOSED:
             return defer.fail(ConnectionClosedError("the ZooKeeper client is closed or not connected"))
-        outcome = defer.Deferred(lambda _: handle.cancel())   # cancelled: a late watch stops at its first call
+        outcome = defer.Deferred()
 
         def built(watch):
             if getattr(watch, "_stopped", False):     # ChildrenWatch: the znode did not exist
@@ -429,8 +428,13 @@ class ZooKeeperClient:
         d = self._blocking(recipe, path, on_change).addCallback(built)
         d.addCallbacks(lambda result: self._settle(outcome, outcome.callback, result),
                        lambda failure: self._settle(outcome, outcome.errback, failure))
-        self._bound(outcome, "the set-up of a watch of %s" % path, on_timeout=handle.cancel)
-        return outcome
+        self._bound(outcome, "the set-up of a watch of %s" % path)
+        return outcome.addErrback(self._cancel_handle, handle)
+
+    @staticmethod
+    def _cancel_handle(failure, handle):
+        handle.cancel()
+        return failure
 
     def _stop_watch(self, watch):
         """End a kazoo watch recipe now. Kazoo ends one only when its function returns False, at the
