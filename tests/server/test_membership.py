@@ -782,6 +782,34 @@ def test_a_partition_that_could_not_be_opened_is_opened_again_by_the_reconcile_r
     membership.stop()
 
 
+def test_a_partition_that_keeps_failing_to_open_is_retried_after_doubling_delays_then_at_once_again():
+    # Retried every half second for as long as the open failed: a busy loop, with a warning each time.
+    clock = Clock()
+    cluster, membership, partitions, store = _member_with_flaky_partitions(clock)
+    delays = []
+    for _ in range(7):
+        before, reads = clock.seconds(), len(cluster.descriptor_reads)
+        while len(cluster.descriptor_reads) == reads:     # the next retry's pass
+            clock.advance(0.25)
+        delays.append(clock.seconds() - before)
+        cluster.descriptor_reads[-1].callback(_descriptors(111))
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    assert sorted(partitions.opened) == [0]
+    store.failing = False
+    clock.advance(8.0)
+    cluster.descriptor_reads[-1].callback(_descriptors(111))
+    assert sorted(partitions.opened) == [0, 1]
+    store.failing = True                                # a later failure starts from the first delay again
+    partitions.assign({0: 5})
+    membership.partitions = {0: 5}
+    membership.request_reconcile()
+    cluster.descriptor_reads[-1].callback(_descriptors(111))
+    reads = len(cluster.descriptor_reads)
+    clock.advance(0.5)
+    assert len(cluster.descriptor_reads) == reads + 1
+    membership.stop()
+
+
 def test_an_assignment_whose_application_raised_is_still_given_up_on_expiry():
     from waltz.zk.bridge import SessionState
     clock, calls = Clock(), []

@@ -113,7 +113,9 @@ class ServerMembership:
     assignment changes, and with ``{}`` when the server must give up its
     partitions because its session expired (or may have: see the module doc).
     ``rng`` shuffles the assignment lists (tests inject one); ``retry_interval``
-    (seconds) spaces retries after ZooKeeper errors; ``give_up_after`` (seconds,
+    (seconds) spaces retries after ZooKeeper errors; a reconcile pass that keeps failing (ZooKeeper
+    errors, a partition that cannot be opened) is retried after doubling delays up to
+    ``max_retry_interval``, from ``retry_interval`` again once a pass succeeds; ``give_up_after`` (seconds,
     default: 0.8 of the ZooKeeper client's session timeout, see the module doc) is
     how long after its last confirmed contact with ZooKeeper a disconnected server
     gives up its partitions.
@@ -122,7 +124,7 @@ class ServerMembership:
     log = Logger()
 
     def __init__(self, cluster, host, port, on_assignment, preferred_partitions=(), reactor=None, rng=None,
-                 retry_interval=0.5, give_up_after=None, on_give_up=None):
+                 retry_interval=0.5, max_retry_interval=8.0, give_up_after=None, on_give_up=None):
         if reactor is None:
             from twisted.internet import reactor
         self.cluster = cluster
@@ -136,6 +138,8 @@ class ServerMembership:
         self.reactor = reactor
         self.rng = rng or random_module.Random()
         self.retry_interval = retry_interval
+        self.max_retry_interval = max(retry_interval, max_retry_interval)
+        self._reconcile_failures = 0    # reconcile passes failed in a row: the next retry's delay doubles
         session_timeout = getattr(cluster.zk, "session_timeout_ms", 30000) / 1000.0
         self.give_up_after = GIVE_UP_FRACTION * session_timeout if give_up_after is None else give_up_after
         self.probe_interval = session_timeout / PROBES_PER_SESSION_TIMEOUT
@@ -448,17 +452,23 @@ class ServerMembership:
                                   id=self.server_id)
                     self._reconcile_again = True
                 except Exception as exc:
-                    self.log.warn("server {id}: reconciling the partition assignment failed: {error!r}; "
-                                  "retrying in {delay} s", id=self.server_id, error=exc, delay=self.retry_interval)
-                    self._schedule_retry()
+                    self._schedule_retry(exc)
+                else:
+                    self._reconcile_failures = 0
         finally:
             self._reconciling = False
 
-    def _schedule_retry(self):
+    def _schedule_retry(self, error):
         if self.stopped:
             return      # a pass that failed after stop() (its ZooKeeper client closed): nothing to retry
+        # Doubling: a failure that lasts (a partition that cannot be opened) is neither a busy loop nor a
+        # log line every half second.
+        delay = min(self.max_retry_interval, self.retry_interval * 2 ** min(self._reconcile_failures, 30))
+        self._reconcile_failures += 1
+        self.log.warn("server {id}: reconciling the partition assignment failed: {error!r}; retrying in {delay} s",
+                      id=self.server_id, error=error, delay=delay)
         if self._reconcile_call is None or not self._reconcile_call.active():
-            self._reconcile_call = self.reactor.callLater(self.retry_interval, self.request_reconcile)
+            self._reconcile_call = self.reactor.callLater(delay, self.request_reconcile)
 
     @defer.inlineCallbacks
     def _reconcile(self):
