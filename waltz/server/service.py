@@ -292,7 +292,7 @@ class ServerInfo:
 
     def storages(self):
         """Every storage node the store's replica assignment names."""
-        return sorted({s for pid in range(self.store.params.num_partitions) for s in self.store.replicas_of(pid)})
+        return sorted(self.store.assigned_storages())
 
     def check_storage_connectivity(self):
         """Fires with ``[(storage "host:port", connected)]``, waiting up to ``connect_timeout`` each."""

@@ -81,3 +81,39 @@ def test_a_connection_lost_before_its_handshake_logs_no_unhandled_error():
     finally:
         globalLogPublisher.removeObserver(observer)
     assert [s for s in seen if "Unhandled error in Deferred" in s] == []
+
+
+def _pool(wanted):
+    from waltz.server.store.replica import StorageConnectionPool
+    return StorageConnectionPool(sm.OpenRequest.create(None, 1), MemoryReactorClock(), wanted=lambda: set(wanted))
+
+
+def test_a_node_no_longer_assigned_is_disconnected_once_its_last_replica_session_closes():
+    # A server reconnected for ever, logging every attempt, to each storage node removed from the assignment.
+    wanted = {"127.0.0.1:1", "127.0.0.1:2"}
+    pool = _pool(wanted)
+    first, second = pool.connection("127.0.0.1:1"), pool.connection("127.0.0.1:2")
+    sessions = [ReplicaSession(ReplicaId(0, "127.0.0.1:2"), n, second) for n in (1, 2)]
+    wanted.discard("127.0.0.1:2")
+    pool.release_unwanted()
+    assert pool.connections == {"127.0.0.1:1": first, "127.0.0.1:2": second}      # still used
+    assert second._service.running
+    sessions[0].close()
+    assert pool.connections["127.0.0.1:2"] is second
+    sessions[1].close()                                                            # its last user
+    assert pool.connections == {"127.0.0.1:1": first} and not second._service.running
+    ReplicaSession(ReplicaId(0, "127.0.0.1:1"), 3, first).close()                 # still assigned: kept
+    assert pool.connections == {"127.0.0.1:1": first} and first._service.running
+    again = pool.connection("127.0.0.1:2")                                         # asked again: a new one
+    assert again is not second and again._service.running
+
+
+def test_a_node_no_longer_assigned_that_no_session_uses_is_disconnected_at_the_assignment_change():
+    wanted = {"127.0.0.1:1"}
+    pool = _pool(wanted)
+    conn = pool.connection("127.0.0.1:1")          # e.g. a connectivity check: no replica session
+    pool.release_unwanted()
+    assert pool.connections == {"127.0.0.1:1": conn}
+    wanted.clear()
+    pool.release_unwanted()
+    assert pool.connections == {} and not conn._service.running

@@ -28,6 +28,9 @@ class Pool:
     def connection(self, storage):
         return UnreachableConnection()
 
+    def release_unwanted(self):
+        pass
+
 
 class ClusterWithHeldSessionCreation:
     """Cluster metadata whose new-session compare-and-set answers when the test says."""
@@ -94,3 +97,18 @@ def test_a_partition_closed_while_its_session_is_created_leaves_no_recovery_stat
     store.close_partition(0)
     cluster.created.callback(PartitionMetadata(5, 1, ()))   # ZooKeeper answers after the close
     assert 'waltz_server_recovery_state{partition="0"}' not in registry.prometheus_text()
+
+
+def test_an_assignment_change_disconnects_the_nodes_it_removed():
+    from twisted.internet.testing import MemoryReactorClock
+    from waltz.protocols import storage_messages as sm
+    from waltz.server.store.replica import StorageConnectionPool
+    clock, cluster = MemoryReactorClock(), ClusterWithHeldSessionCreation()
+    store = Store(cluster, clock)
+    store.params = StoreParams(uuid.uuid4(), 1)
+    store.pool = StorageConnectionPool(sm.OpenRequest.create(None, 1), clock, wanted=store.assigned_storages)
+    store._apply_assignment(assignment("a:1", "b:1", "c:1"))
+    removed = store.pool.connection("c:1")
+    store._assignment_changed(assignment("a:1", "b:1").encode(), None)
+    assert "c:1" not in store.pool.connections and not removed._service.running
+    assert store.assigned_storages() == {"a:1", "b:1"}

@@ -50,8 +50,10 @@ class StorageConnection:
     log = Logger()
 
     def __init__(self, storage, open_request, reactor, initial_retry=0.1, max_retry=20.0, max_frame_size=None,
-                 request_timeout=DEFAULT_REQUEST_TIMEOUT):
+                 request_timeout=DEFAULT_REQUEST_TIMEOUT, on_unused=None):
         self.storage = storage
+        #: ``on_unused(connection)``: called when the last replica session using the connection closed.
+        self.on_unused = on_unused
         self.reactor = reactor
         host, _, port = storage.rpartition(":")
         # Liveness: a silent storage (gone, or its network cut) and one that stops answering requests
@@ -88,12 +90,20 @@ class StorageConnection:
         return d
 
     def add_close_listener(self, listener):
-        """``listener(protocol)`` is called whenever an opened connection closes."""
+        """``listener(protocol)`` is called whenever an opened connection closes. Every replica session
+        using the connection listens, from its creation to its close: the listeners are its users."""
         self._close_listeners.append(listener)
 
     def remove_close_listener(self, listener):
         if listener in self._close_listeners:
             self._close_listeners.remove(listener)
+            if not self._close_listeners and self.on_unused is not None:
+                self.on_unused(self)
+
+    @property
+    def in_use(self):
+        """Whether a replica session uses the connection."""
+        return bool(self._close_listeners)
 
     def _opened(self, protocol):
         self.log.info("connected to storage {storage}", storage=self.storage)
@@ -118,11 +128,20 @@ class StorageConnection:
 
 
 class StorageConnectionPool:
-    """One :class:`StorageConnection` per storage node, created on first use."""
+    """One :class:`StorageConnection` per storage node, created on first use.
+
+    ``wanted()`` names the storage nodes the server keeps connected (those of the replica assignment). A
+    connection to any other node (one removed from the assignment, or a member of an old store session that a
+    recovery asked) is stopped once no replica session uses it: otherwise a server would reconnect for ever,
+    logging each attempt, to every node ever decommissioned while it ran.
+    """
+
+    log = Logger()
 
     def __init__(self, open_request, reactor, initial_retry=0.1, max_retry=20.0,
-                 request_timeout=DEFAULT_REQUEST_TIMEOUT):
+                 request_timeout=DEFAULT_REQUEST_TIMEOUT, wanted=None):
         self.open_request = open_request
+        self.wanted = wanted
         self.reactor = reactor
         self.initial_retry = initial_retry
         self.max_retry = max_retry
@@ -138,10 +157,26 @@ class StorageConnectionPool:
         conn = self.connections.get(storage)
         if conn is None:
             conn = StorageConnection(storage, self.open_request, self.reactor, self.initial_retry, self.max_retry,
-                                     request_timeout=self.request_timeout)
+                                     request_timeout=self.request_timeout, on_unused=self._unused)
             self.connections[storage] = conn
             conn.start()
         return conn
+
+    def release_unwanted(self):
+        """Stop the connections to nodes not wanted any more that no replica session uses (the others are
+        stopped when their last session closes)."""
+        for conn in list(self.connections.values()):
+            self._unused(conn)
+
+    def _unused(self, conn):
+        if self.wanted is None or conn.in_use or self.connections.get(conn.storage) is not conn:
+            return
+        if conn.storage in self.wanted():
+            return
+        del self.connections[conn.storage]
+        self.log.info("storage {storage} is no longer assigned: connection closed", storage=conn.storage)
+        conn.stop().addErrback(
+            lambda f: self.log.failure("closing the connection to storage {storage}", f, storage=conn.storage))
 
     def stop(self):
         self.stopped = True

@@ -110,7 +110,7 @@ class Store:
         self.params = yield self.cluster.store_params()
         open_request = sm.OpenRequest.create(self.params.key, self.params.num_partitions)
         self.pool = StorageConnectionPool(open_request, self.reactor, self.initial_retry, self.max_retry,
-                                          self.request_timeout)
+                                          self.request_timeout, wanted=self.assigned_storages)
         self.sessions = StoreSessionManager(self.cluster, self.pool, self.reactor, self.replicas_of, self.metrics,
                                             self.recovery_retry_interval)
         self._apply_assignment((yield self.cluster.replica_assignments()))
@@ -126,6 +126,10 @@ class Store:
     def replicas_of(self, partition_id):
         return self._replicas_by_partition.get(partition_id, ())
 
+    def assigned_storages(self):
+        """Every storage node the replica assignment names."""
+        return {storage for storages in self._replicas_by_partition.values() for storage in storages}
+
     def _assignment_changed(self, data, stat):
         if data is None:
             return
@@ -140,6 +144,7 @@ class Store:
                 self.log.info("replica assignment of partition {pid} changed to {storages}: new store session",
                               pid=pid, storages=self.replicas_of(pid))
                 partition.session.close("replica assignment changed")
+        self.pool.release_unwanted()
 
     def partition(self, partition_id, generation) -> StorePartition:
         """Open (or return) the store partition; a new generation replaces the old object."""
