@@ -124,6 +124,7 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
         self._connect = connect
         self._connection = None
         self._closed = False
+        self._close_waiters = None      # while a close() is under way: the Deferreds of later calls
         self._table = table
         self._paramstyle = paramstyle
         self._worker = None
@@ -281,6 +282,13 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
         client first: an apply that comes after this fails (:class:`CallbacksClosedError`)."""
         if self._run is _refuse_closed:
             return defer.succeed(None)
+        if self._close_waiters is not None:
+            # A second close() made before the first ended waits for it: run through the database thread,
+            # it could find the thread stopping, and fail.
+            waiter = defer.Deferred()
+            self._close_waiters.append(waiter)
+            return waiter
+        self._close_waiters = []
 
         def close_connection():
             self._closed = True
@@ -290,16 +298,20 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
         d = self._run(close_connection)
         if self._worker is not None:
             d.addBoth(self._stop_worker)
-        return d
+        return d.addBoth(self._closed_now)
 
     def _stop_worker(self, result):
         # Joined in a thread of the reactor's pool, not on the reactor: an apply queued behind the close
         # would hold the reactor until it finished.
         worker, self._worker = self._worker, None
-        if worker is None:
-            return result           # a second close() made before the first ended: that one stops it
         self._run = _refuse_closed  # a stopped thread pool would never run (nor answer) what comes later
         return threads.deferToThread(worker.stop).addCallback(lambda _: result)
+
+    def _closed_now(self, result):
+        waiters, self._close_waiters = self._close_waiters, None
+        for waiter in waiters:
+            waiter.callback(None)
+        return result
 
 
 def _refuse_closed(function, *args):
