@@ -9,7 +9,8 @@ from tests.client.fakes import EP_A, EP_B, RecordingCallbacks, RecordingContext
 from waltz.client.api import Outcome
 from waltz.client.client import ClientState
 from waltz.client.errors import (
-    ClientAheadError, ClientClosedError, HighWaterMarkTimeout, PartitionInactiveError, WaltzClientError)
+    ClientAheadError, ClientClosedError, ContextInFlightError, HighWaterMarkTimeout, PartitionInactiveError,
+    WaltzClientError)
 from waltz.client.partition import PartitionState
 from waltz.protocols import client_messages as m
 from waltz.protocols.locks import lock_hash
@@ -375,6 +376,99 @@ def test_a_flush_response_waits_for_the_client_to_apply_up_to_its_hwm(harness):
 def test_flush_fires_at_once_with_nothing_pending(harness):
     client = harness.client()
     assert client.flush().called
+
+
+def test_flush_waits_for_executions_queued_behind_the_cap_and_close_after_it_fails_none(harness):
+    # flush() covered only the appends already sent: "execute many, flush, close" failed the executions
+    # still queued behind client.maxConcurrentTransactions, and they were never appended.
+    client = harness.client(**{"client.maxConcurrentTransactions": 2})
+    results = [client.execute(RecordingContext(data=b"t%d" % n)) for n in range(5)]
+    assert client.has_pending_transactions()
+    ended_at_flush = []
+
+    def flushed(_):
+        ended_at_flush.append(sum(d.called for d in results))
+        return client.close()
+    client.flush().addCallback(flushed)
+    harness.settle()
+    # (The last one's Deferred fires right after the flush's, in the same call: its append is settled first.)
+    assert ended_at_flush in ([4], [5]) and [outcome(d).outcome for d in results] == [Outcome.COMMITTED] * 5
+    assert not client.has_pending_transactions()
+
+
+def test_flush_waits_for_an_execution_still_building_its_transaction(harness):
+    class Building(RecordingContext):
+        def execute(self, builder):
+            self.building = defer.Deferred().addCallback(lambda _: RecordingContext.execute(self, builder))
+            return self.building
+    client = harness.client()
+    context = Building()
+    result = client.execute(context)
+    harness.settle()
+    assert client.has_pending_transactions()
+    flushed = client.flush()
+    harness.settle()
+    assert not flushed.called
+    context.building.callback(None)             # built and sent: committed by the fake server
+    harness.settle()
+    assert flushed.called and outcome(result).outcome is Outcome.COMMITTED
+
+
+def test_flush_counts_an_execution_that_ends_unsent(harness):
+    client = harness.client(**{"client.maxConcurrentTransactions": 1})
+    harness.server_a.hold_appends = True
+    client.execute(RecordingContext())
+    queued = client.execute(RecordingContext(proceed=False))
+    harness.settle()
+    flushed = client.flush()
+    harness.server_a.commit_held(0)
+    harness.settle()
+    assert flushed.called and outcome(queued).outcome is Outcome.IGNORED
+
+
+def test_a_context_executed_again_while_its_execution_runs_is_refused(harness):
+    # Both executions ran: the transaction was appended twice and the context got two terminal hooks.
+    client = harness.client()
+    harness.server_a.hold_appends = True
+    context = RecordingContext()
+    first = client.execute(context)
+    second = client.execute(context)
+    assert second.called and outcome(second).outcome is Outcome.FAILED
+    assert isinstance(outcome(second).error, ContextInFlightError)
+    harness.settle()
+    harness.server_a.commit_held(0)
+    harness.settle()
+    assert outcome(first).outcome is Outcome.COMMITTED and len(harness.server_a.messages(m.AppendRequest)) == 1
+    assert context.events.count(("completion", True)) == 1
+    harness.server_a.hold_appends = False
+    again = client.execute(context)             # once it ended, the context may run again
+    harness.settle()
+    assert outcome(again).outcome is Outcome.COMMITTED
+
+
+def test_a_context_may_execute_itself_again_from_its_terminal_hook(harness):
+    class Twice(RecordingContext):
+        again = None
+
+        def on_completion(self, result):
+            super().on_completion(result)
+            if self.again is None:
+                self.again = client.execute(self)
+    client = harness.client()
+    context = Twice(proceed=False)
+    first = client.execute(context)
+    harness.settle()
+    assert outcome(first).outcome is Outcome.IGNORED and outcome(context.again).outcome is Outcome.IGNORED
+    assert context.events == ["execute", ("completion", False)] * 2
+
+
+def test_execute_returning_none_fails_the_context_instead_of_dropping_it_silently(harness):
+    client = harness.client()
+    context = RecordingContext(proceed=None)
+    result = outcome(client.execute(context))
+    assert result.outcome is Outcome.FAILED and isinstance(result.error, TypeError)
+    assert "returned None" in str(result.error) and harness.server_a.messages(m.AppendRequest) == []
+    assert context.events[-1] == ("exception", "TypeError")
 
 
 # --- the feed ------------------------------------------------------------------------------------

@@ -13,13 +13,13 @@ from waltz.client.api import (
 from waltz.client.client import ClientState, WaltzClient
 from waltz.client.config import CLIENT_KEYS, ClientSettings, client_config
 from waltz.client.errors import (
-    ClientAheadError, ClientClosedError, DataChecksumError, PartitionInactiveError, PartitionNotFoundError,
-    ReadError, TransactionDataError, WaltzClientError)
+    ClientAheadError, ClientClosedError, ContextInFlightError, DataChecksumError, PartitionInactiveError,
+    PartitionNotFoundError, ReadError, TransactionDataError, WaltzClientError)
 from waltz.client.partition import PartitionState
 
 __all__ = [
     "BytesSerializer", "CLIENT_KEYS", "ClientAheadError", "ClientClosedError", "ClientSettings", "ClientState",
-    "DataChecksumError", "ExecutionResult", "IWaltzClientCallbacks", "JsonSerializer", "Outcome",
+    "ContextInFlightError", "DataChecksumError", "ExecutionResult", "IWaltzClientCallbacks", "JsonSerializer", "Outcome",
     "PartitionInactiveError", "PartitionLocalLock", "PartitionNotFoundError", "PartitionState", "ReadError",
     "Transaction", "TransactionBuilder", "TransactionContext", "TransactionDataError", "TransactionRecord",
     "WaltzClient", "WaltzClientCallbacks", "WaltzClientError", "client_config",

@@ -208,6 +208,9 @@ class TransactionContext:
     """
 
     creation_time = None
+    #: The execution under way (set by the client from ``execute`` until the context ends): a context
+    #: runs one execution at a time.
+    _waltz_execution = None
 
     def partition_id(self, num_partitions: int) -> int:
         """The partition of this transaction, in ``0..num_partitions-1``."""
@@ -215,7 +218,8 @@ class TransactionContext:
 
     def execute(self, builder: TransactionBuilder) -> bool:
         """Set the header, data and locks on ``builder``; return True to append the transaction,
-        False to drop it (then :meth:`on_completion` gets False). Called again on every retry,
+        False to drop it (then :meth:`on_completion` gets False). Returning None (a forgotten
+        ``return``) is an error: the context ends with :meth:`on_exception` (``TypeError``). Called again on every retry,
         with the client's newer high-water mark: recompute from the application's current state.
         Raising ends the context with :meth:`on_exception`.
 

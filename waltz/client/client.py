@@ -18,10 +18,11 @@ import itertools
 from twisted.internet import defer, task
 from twisted.logger import Logger
 
-from waltz.client.api import IWaltzClientCallbacks
+from waltz.client.api import ExecutionResult, IWaltzClientCallbacks, Outcome
 from waltz.client.config import ClientSettings, client_config
 from waltz.client.discovery import ZooKeeperDiscovery
-from waltz.client.errors import ClientClosedError, HighWaterMarkTimeout, PartitionNotFoundError, WaltzClientError
+from waltz.client.errors import (ClientClosedError, ContextInFlightError, HighWaterMarkTimeout, PartitionNotFoundError,
+                                 WaltzClientError)
 from waltz.client.monitor import Submission
 from waltz.client.network import Backoff, ManagedConnection, ServerConnections, tcp_connector
 from waltz.client.partition import ClientPartition
@@ -251,9 +252,14 @@ class WaltzClient:
         Returns a Deferred firing with the :class:`~waltz.client.api.ExecutionResult` (it fails only
         when cancelled, see ``docs/client.md``); the context's hooks are called as well.
         """
+        if getattr(context, "_waltz_execution", None) is not None:
+            error = ContextInFlightError(context)
+            log.error("{error}", error=error)
+            return defer.succeed(ExecutionResult(Outcome.FAILED, error))
         if context.creation_time is None:
             context.creation_time = self._reactor.seconds()
         submission = Submission(context, None)
+        context._waltz_execution = submission
         if self.state is ClientState.STARTING:
             self.when_started().addBoth(lambda _: self._submit(submission))
         else:
@@ -273,8 +279,9 @@ class WaltzClient:
             partition.submit(submission)
 
     def flush(self, partition_id=None):
-        """Fires once every append pending now (on ``partition_id``, or on all partitions) is settled.
-        Called while the client is starting, it first waits for the start (executions submitted
+        """Fires once every append pending now (on ``partition_id``, or on all partitions) is settled, and
+        every execution submitted before the call but not sent yet has been sent and settled, or ended
+        unsent. Called while the client is starting, it first waits for the start (executions submitted
         meanwhile are sent then)."""
         if self.state is ClientState.STARTING:
             return self.when_started().addCallback(lambda _: self.flush(partition_id))
@@ -289,7 +296,9 @@ class WaltzClient:
         return defer.gatherResults([p.flush() for p in partitions]).addCallback(lambda _: None)
 
     def has_pending_transactions(self) -> bool:
-        return any(len(p.monitor) for p in self._partitions.values())
+        """Whether an execution has not ended yet: an append waiting for its outcome, or an execution not
+        sent yet (queued, building, or waiting to retry)."""
+        return any(p.has_pending() for p in self._partitions.values())
 
     def high_water_mark(self, partition_id):
         """Fires with the partition's current high-water mark (asked of its server over RPC)."""

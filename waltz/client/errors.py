@@ -31,6 +31,16 @@ class PartitionInactiveError(WaltzClientError):
         self.partition_id = partition_id
 
 
+class ContextInFlightError(WaltzClientError):
+    """``execute`` of a transaction context whose earlier execution has not ended: running both could
+    append its transaction twice."""
+
+    def __init__(self, context):
+        super().__init__("transaction context %r is already being executed; execute a context again only "
+                         "once its execution ended (or execute a new context)" % (context,))
+        self.context = context
+
+
 class PartitionNotFoundError(WaltzClientError):
     """A partition id outside ``0..num_partitions-1``."""
 

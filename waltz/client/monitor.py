@@ -46,6 +46,7 @@ class Submission:
         self.expiry_call = None
         #: Its place among the partition's registrations (sends), set by TransactionMonitor.register.
         self.registration = None
+        self._sent_waiters = None       # see when_sent (a list only while someone waits)
 
     @property
     def done(self) -> bool:
@@ -55,6 +56,28 @@ class Submission:
         """True when ``expiration`` seconds (None: never) have passed since the context's creation."""
         created = self.context.creation_time
         return expiration is not None and created is not None and now - created >= expiration
+
+    def when_sent(self):
+        """A Deferred firing with the ReqId of this execution's next append once it is sent, or with None
+        if the execution ends first (``flush`` waits for executions not sent yet this way)."""
+        d = defer.Deferred()
+        if self.ended:
+            d.callback(None)
+        else:
+            if self._sent_waiters is None:
+                self._sent_waiters = []
+            self._sent_waiters.append(d)
+        return d
+
+    def sent(self, req_id):
+        """Its append was sent (and registered) with ``req_id``."""
+        if self._sent_waiters:
+            self._fire_sent_waiters(req_id)
+
+    def _fire_sent_waiters(self, req_id):
+        waiters, self._sent_waiters = self._sent_waiters, None
+        for d in waiters:
+            d.callback(req_id)
 
     def committed(self, transaction_id):
         self._end(ExecutionResult(Outcome.COMMITTED, partition_id=self.partition_id, transaction_id=transaction_id),
@@ -97,6 +120,10 @@ class Submission:
             return
         self.ended = True
         self.cancel_expiry()
+        if getattr(self.context, "_waltz_execution", None) is self:
+            self.context._waltz_execution = None     # before the hook, which may execute it again
+        if self._sent_waiters:
+            self._fire_sent_waiters(None)
         call_hook(self.context, hook, *args)
         if not self.cancelled:          # a cancelled one's Deferred has failed already
             self.result.callback(result)

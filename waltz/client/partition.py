@@ -765,6 +765,9 @@ class ClientPartition:
     def _built(self, proceed, submission, builder):
         try:
             if not proceed:
+                if proceed is None:
+                    raise TypeError("execute() of %r returned None: return True to append the transaction, "
+                                    "False to drop it" % (submission.context,))
                 submission.ignored()
                 return
             if self.state is not PartitionState.MOUNTED or not self.wanted:
@@ -779,6 +782,7 @@ class ClientPartition:
             self._execute_failed(Failure(), submission)
             return
         self.monitor.register(request.req_id, submission)
+        submission.sent(request.req_id)
 
     def _build_failed_later(self, failure, submission):
         self._building.discard(submission)
@@ -834,10 +838,29 @@ class ClientPartition:
     # --- flush -----------------------------------------------------------------------------------
 
     def flush(self):
-        """A Deferred firing once every append pending now is settled (success or failure)."""
-        d = self.monitor.when_settled()
+        """A Deferred firing once every append pending now is settled (success or failure), and every
+        execution not sent yet (queued, building, waiting to retry) has been sent and settled, or ended
+        unsent. (The Java client's submit returned only once the append was registered, so its flush
+        covered every execution submitted before it.)"""
+        waits = [self.monitor.when_settled()]
+        for submission in self._unsent():
+            waits.append(submission.when_sent().addCallback(self._when_settled_once_sent))
         self._send_flush()
-        return d
+        return defer.gatherResults(waits) if len(waits) > 1 else waits[0]
+
+    def _when_settled_once_sent(self, req_id):
+        if req_id is None:
+            return None                 # ended without being sent
+        settled = self.monitor.when_settled([req_id])
+        self._send_flush()              # settles it promptly if it was lost
+        return settled
+
+    def _unsent(self):
+        return [*self._waiting, *self._retrying, *self._gated, *self._building]
+
+    def has_pending(self) -> bool:
+        """Whether an execution on this partition has not ended yet, sent or not."""
+        return bool(len(self.monitor) or self._waiting or self._retrying or self._gated or self._building)
 
     def nudge(self, now):
         """Send a FLUSH when pending appends made no progress within ``client.longWaitThreshold``; ask
