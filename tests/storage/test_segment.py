@@ -192,9 +192,64 @@ def test_recovery_refuses_to_cut_a_damaged_record_followed_by_sound_ones(tmp_pat
     flip_byte(data_path, record_offsets(records)[7] + 40)
     size = os.path.getsize(data_path)
     with pytest.raises(CorruptedRecord, match="record 7 at offset .* checksum mismatch, but record 8 after it "
-                                              "is sound: damage, not a torn write"):
+                                              r"\(at offset \d+\) is sound: damage, not a torn write"):
         open_log(tmp_path)
     assert os.path.getsize(data_path) == size and read_index(index_path) == record_offsets(records)
+
+
+@pytest.mark.parametrize("bit", [0, 3, 17, 31])
+def test_recovery_refuses_to_cut_a_record_whose_length_field_is_damaged(tmp_path, bit):
+    # The bad length pointed past the sound record 8: nothing was found there, and records 7..19 (which may
+    # all have been acknowledged) were cut as a torn end, silently.
+    records = written_log(tmp_path, 20)
+    data_path, index_path = segment_paths(tmp_path)
+    length_field = record_offsets(records)[7] + 28      # txn id 8, ReqId 16, header 4, then the data length
+    with open(data_path, "r+b") as f:
+        f.seek(length_field)
+        value = struct.unpack(">i", f.read(4))[0]
+        f.seek(length_field)
+        f.write(struct.pack(">I", (value ^ (1 << bit)) & 0xFFFFFFFF))
+    size = os.path.getsize(data_path)
+    with pytest.raises(CorruptedRecord, match=r"record 7 at offset .*, but record 8 after it \(at offset %d\) is "
+                                              "sound" % record_offsets(records)[8]):
+        open_log(tmp_path)
+    assert os.path.getsize(data_path) == size and read_index(index_path) == record_offsets(records)
+
+
+def _set_index_entry(index_path, entry, value):
+    with open(index_path, "r+b") as f:
+        f.seek(128 + 8 * entry)
+        f.write(struct.pack(">q", value))
+
+
+@pytest.mark.parametrize("value", [-4096, 1 << 62])
+def test_a_damaged_last_trusted_index_entry_makes_recovery_rescan_the_segment(tmp_path, value):
+    # A negative entry made os.pread fail with EINVAL ("Invalid argument", naming no file): the partition
+    # failed to open, where the rescan from the segment's start recovers it.
+    records = written_log(tmp_path, 20)
+    _data_path, index_path = segment_paths(tmp_path)
+    _set_index_entry(index_path, 9, value)
+    log = open_log(tmp_path, local_low_water_mark=9)    # entries 0..9 trusted: 9 is the one checked
+    try:
+        assert log.max_transaction_id == 19 and log.read_records(0, 20) == records
+    finally:
+        log.close()
+    assert read_index(index_path) == record_offsets(records)
+
+
+@pytest.mark.parametrize("entry, value", [(6, 1 << 62), (5, -4), (6, 129), (5, 10 ** 9)])
+def test_a_read_through_a_damaged_index_entry_raises_corrupted_record(tmp_path, entry, value):
+    # A huge next entry asked for a buffer of that size (MemoryError); a negative one failed in os.pread.
+    records = written_log(tmp_path, 20)
+    _data_path, index_path = segment_paths(tmp_path)
+    _set_index_entry(index_path, entry, value)
+    log = open_log(tmp_path, local_low_water_mark=19)   # every entry trusted: recovery checks only the last
+    try:
+        with pytest.raises(CorruptedRecord, match="index entry of record %d .* is corrupted" % entry):
+            log.read_records(5, 1)
+        assert log.read_records(8, 12) == records[8:]
+    finally:
+        log.close()
 
 
 def test_recovery_refuses_to_cut_a_damaged_record_the_last_checkpoint_synced(tmp_path):

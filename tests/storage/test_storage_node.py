@@ -330,6 +330,34 @@ async def test_a_partition_whose_log_fails_to_open_reports_its_recorded_session(
 
 
 @pytest_twisted.ensureDeferred
+async def test_opening_a_partition_logs_what_its_recovery_cut(tmp_path):
+    # A cut left no trace: an operator looking for a replica shorter than expected found nothing in its log.
+    from twisted.logger import globalLogPublisher
+    directory = str(tmp_path / "storage")
+    first = Harness(directory)
+    await first.start()
+    await assign(first, 0)
+    s = await first.connect()
+    await s.request(sm.AppendRequest(5, 0, 0, records(0, 5), False))
+    await first.stop()
+    with open(os.path.join(directory, "0", "%019d.seg" % 0), "ab") as f:   # the torn start of record 5
+        f.write(b"\x00" * 7 + b"\x05" + b"\x00" * 10)
+    seen = []
+    globalLogPublisher.addObserver(seen.append)
+    second = Harness(directory)
+    try:
+        await second.start()
+    finally:
+        globalLogPublisher.removeObserver(seen.append)
+    try:
+        assert second.node.partitions[0].log.max_transaction_id == 4
+        [cut] = [e for e in seen if "recovery cut" in e.get("log_format", "")]
+        assert (cut["pid"], cut["size"], cut["max"]) == (0, 18, 4) and "truncated record header" in cut["why"]
+    finally:
+        await second.stop()
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_truncation_below_the_local_low_water_mark_is_refused(harness):
     # Transactions up to it were committed, and recovery trusts the index up to it: cutting below it (no
     # recovery asks that) would lose them, and a later open would trust index entries never checked.

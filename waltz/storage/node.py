@@ -179,8 +179,18 @@ class StorageNode:
         except Exception as exc:
             partition.failure = str(exc)
             self.log.error("partition {pid} failed to open: {reason}", pid=pid, reason=exc)
+        else:
+            self._report_recovery(pid, partition.log.recovery)
         self.partitions[pid] = partition
         return partition
+
+    def _report_recovery(self, pid, recovery):
+        """Log what opening the partition cut: the torn end of a write that was never acknowledged."""
+        if recovery is not None and recovery.truncated_bytes:
+            self.log.warn("partition {pid}: recovery cut {size} bytes after record {max} in the segment of {first} "
+                          "({why}): the torn end of an unacknowledged write", pid=pid, size=recovery.truncated_bytes,
+                          max=recovery.max_transaction_id, first=recovery.first_transaction_id,
+                          why=recovery.problem)
 
     @staticmethod
     def _sync_of(partition):

@@ -421,22 +421,42 @@ class Segment:
         return FILE_HEADER_SIZE, self.first_transaction_id
 
     def _check_torn_end(self, offset: int, txn: int, problem: str) -> None:
-        """:class:`CorruptedRecord` when the bad record at ``offset`` is followed by a sound record ``txn + 1``."""
-        head = pread_upto(self._data_fd, RECORD_HEADER_SIZE, offset)
-        if len(head) < RECORD_HEADER_SIZE:
-            return
-        length = _RECORD_HEADER.unpack_from(head)[6]
-        following = offset + RECORD_OVERHEAD + length
-        if length < 0 or following >= self._data_size:
-            return
-        try:
-            self._read_at(following, txn + 1)
-        except BadRecord:
+        """:class:`CorruptedRecord` when the bad record at ``offset`` is followed by a sound record ``txn + 1``
+        anywhere after it. Not only where the bad record's own length points: a damaged length field points
+        elsewhere, and the sound records after it would be cut as a torn end."""
+        following = self._find_record(txn + 1, offset + 1)
+        if following is None:
             return      # nothing sound after it: the torn end of an unacknowledged write
-        raise CorruptedRecord("%s: %s, but record %d after it is sound: damage, not a torn write; refusing to cut "
-                              "the log there" % (self.data_path, problem, txn + 1))
+        raise CorruptedRecord("%s: %s, but record %d after it (at offset %d) is sound: damage, not a torn write; "
+                              "refusing to cut the log there" % (self.data_path, problem, txn + 1, following))
+
+    def _find_record(self, txn: int, start: int, chunk_size: int = 1 << 20):
+        """The offset of the first sound record ``txn`` at or after ``start``, or None. Searches the bytes
+        for the record's leading transaction id (in C, chunk by chunk) and checks each candidate in full."""
+        pattern = struct.pack(">q", txn)
+        position = start
+        while position < self._data_size:
+            chunk = pread_upto(self._data_fd, min(chunk_size, self._data_size - position), position)
+            if not chunk:
+                return None
+            found = chunk.find(pattern)
+            while found >= 0:
+                try:
+                    self._read_at(position + found, txn)
+                except BadRecord:
+                    found = chunk.find(pattern, found + 1)
+                else:
+                    return position + found
+            if len(chunk) < len(pattern):
+                return None
+            position += len(chunk) - len(pattern) + 1     # a match may straddle two chunks
+        return None
 
     def _read_at(self, offset: int, txn: int):
+        if not FILE_HEADER_SIZE <= offset < self._data_size:
+            # A damaged index entry: outside the record area (os.pread would fail on a negative offset).
+            raise BadRecord("offset %d outside the record area (%d to %d)"
+                            % (offset, FILE_HEADER_SIZE, self._data_size))
         head = pread_upto(self._data_fd, RECORD_HEADER_SIZE, offset)
         available = self._data_size - offset
         if len(head) == RECORD_HEADER_SIZE:
@@ -530,6 +550,7 @@ class Segment:
             return []
         offsets = self._index.offsets(i, n + 1)
         end = offsets.pop() if len(offsets) > n else self._data_size
+        self._check_offsets(transaction_id, offsets, end)
         base = offsets[0]
         if max_bytes is not None and end - base > max_bytes:
             # records 0..k-1 span offsets[0]..offsets[k]: keep the longest run that fits
@@ -553,6 +574,18 @@ class Segment:
                                       % (self.header.partition_id, self.data_path, txn, offset, exc)) from None
             records.append(record)
         return records
+
+    def _check_offsets(self, transaction_id: int, offsets: list, end: int) -> None:
+        """:class:`CorruptedRecord` unless the index entries of a read increase within the record area: a
+        damaged entry would make the read ask for a huge buffer, or a negative offset."""
+        previous = FILE_HEADER_SIZE
+        for k, offset in enumerate(offsets + [end]):
+            if not previous <= offset <= self._data_size or (k and offset == previous):
+                raise CorruptedRecord("partition %d, segment %s: the index entry of record %d (offset %d) is "
+                                      "corrupted: not after %d and within the data file (%d bytes)"
+                                      % (self.header.partition_id, self.data_path, transaction_id + k, offset,
+                                         previous, self._data_size))
+            previous = offset
 
     # -- closing -----------------------------------------------------------------------------
 
