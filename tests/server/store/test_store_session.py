@@ -223,6 +223,25 @@ def test_replica_failing_after_quorum_commits_then_closes_the_session():
     assert session.state is SessionState.CLOSED and "c:1 failed an append" in closed[0]
 
 
+def test_a_replica_whose_batches_in_flight_all_fail_is_logged_once():
+    # A lost connection fails every batch in flight to it: one warning per batch (64 per partition at most).
+    h = Harness(manual=True)
+    session = started(h)
+    a, b, c = (session.replicas_by_name[s] for s in STORAGES)
+    writes = [session.write(records(n, 1)) for n in range(3)]
+    seen = []
+    globalLogPublisher.addObserver(seen.append)
+    try:
+        for _ in writes:
+            a.ack()
+            b.ack()
+            c.fail()
+    finally:
+        globalLogPublisher.removeObserver(seen.append)
+    assert [w.result for w in writes] == [0, 1, 2]
+    assert len([e for e in seen if "append to {storage} failed" in e.get("log_format", "")]) == 1
+
+
 def test_without_quorum_the_batch_fails_with_session_closed():
     h = Harness(manual=True)
     session = started(h)

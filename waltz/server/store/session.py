@@ -291,9 +291,12 @@ class StoreSession:
     def _append_failed(self, failure, batch, storage):
         self._outstanding[storage] -= 1
         batch.failures += 1
-        self.log.warn("partition {pid} session {sid}: append to {storage} failed: {reason}", pid=self.partition_id,
-                      sid=self.session_id, storage=storage, reason=failure.getErrorMessage())
-        self._leave(storage, "failed an append: %s" % failure.getErrorMessage())
+        if storage not in self._left:
+            # Once: a lost connection fails every batch in flight to the replica.
+            self.log.warn("partition {pid} session {sid}: append to {storage} failed: {reason}",
+                          pid=self.partition_id, sid=self.session_id, storage=storage,
+                          reason=failure.getErrorMessage())
+        self._leave(storage, "failed an append: %s" % failure.getErrorMessage())   # may close the session now
 
     def _can_commit(self, batch):
         pending = batch.sent - batch.acks - batch.failures
