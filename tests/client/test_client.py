@@ -396,6 +396,23 @@ def test_flush_waits_for_executions_queued_behind_the_cap_and_close_after_it_fai
     assert not client.has_pending_transactions()
 
 
+def test_flush_with_a_backlog_sends_one_flush_for_it_not_one_per_append(harness):
+    # A FLUSH went out after every queued append as it was sent: each is a barrier on the server, which
+    # then committed the backlog one append per store round trip.
+    client = harness.client(**{"client.maxConcurrentTransactions": 2})
+    harness.server_a.hold_appends = True
+    for n in range(6):
+        client.execute(RecordingContext(data=b"t%d" % n))
+    harness.settle()
+    client.flush()
+    harness.settle()
+    while harness.server_a.held:
+        harness.server_a.commit_held(0)
+        harness.settle()
+    kinds = [type(message).__name__[0] for message in harness.server_a.messages((m.AppendRequest, m.FlushRequest))]
+    assert kinds.count("F") <= 2 and "".join(kinds).startswith("AAF"), kinds
+
+
 def test_flush_waits_for_an_execution_still_building_its_transaction(harness):
     class Building(RecordingContext):
         def execute(self, builder):

@@ -216,6 +216,37 @@ def test_recovery_refuses_to_cut_a_record_whose_length_field_is_damaged(tmp_path
     assert os.path.getsize(data_path) == size and read_index(index_path) == record_offsets(records)
 
 
+def test_a_damaged_length_field_is_found_by_searching_when_the_index_lost_the_entries_after_it(tmp_path):
+    # Neither the bad length nor the index (its unsynced entries lost) leads to record 8: the search for
+    # record 8's id over the rest of the file does.
+    records = written_log(tmp_path, 20)
+    data_path, index_path = segment_paths(tmp_path)
+    length_field = record_offsets(records)[7] + 28
+    with open(data_path, "r+b") as f:
+        f.seek(length_field)
+        f.write(struct.pack(">i", 10 ** 6))
+    os.truncate(index_path, 128 + 8 * 7)
+    with pytest.raises(CorruptedRecord, match=r"but record 8 after it \(at offset %d\) is sound"
+                                              % record_offsets(records)[8]):
+        open_log(tmp_path)
+
+
+def test_a_torn_record_whose_data_repeats_the_next_id_is_cut_quickly(tmp_path):
+    # The search for a sound record after a bad one is bounded: a torn record's own payload holding the
+    # next id a million times made it check every place (seconds per megabyte).
+    records = written_log(tmp_path, 5)
+    data_path, _index_path = segment_paths(tmp_path)
+    torn = encode_record(Record.create(5, ReqId(1, 1, PARTITION, 5), 0, struct.pack(">q", 6) * 500_000))
+    with open(data_path, "ab") as f:
+        f.write(torn[:len(torn) // 2])
+    log = open_log(tmp_path)
+    try:
+        assert log.max_transaction_id == 4 and log.read_records(0, 5) == records
+        assert "the search for a sound record 6 after it stopped" in log.recovery.problem
+    finally:
+        log.close()
+
+
 def _set_index_entry(index_path, entry, value):
     with open(index_path, "r+b") as f:
         f.seek(128 + 8 * entry)

@@ -842,17 +842,23 @@ class ClientPartition:
         execution not sent yet (queued, building, waiting to retry) has been sent and settled, or ended
         unsent. (The Java client's submit returned only once the append was registered, so its flush
         covered every execution submitted before it.)"""
-        waits = [self.monitor.when_settled()]
-        for submission in self._unsent():
-            waits.append(submission.when_sent().addCallback(self._when_settled_once_sent))
+        settled = self.monitor.when_settled()
+        unsent = self._unsent()
         self._send_flush()
-        return defer.gatherResults(waits) if len(waits) > 1 else waits[0]
+        if not unsent:
+            return settled
+        sent = defer.gatherResults([submission.when_sent() for submission in unsent])
+        return defer.gatherResults([settled, sent.addCallback(self._when_settled_once_sent)])
 
-    def _when_settled_once_sent(self, req_id):
-        if req_id is None:
-            return None                 # ended without being sent
-        settled = self.monitor.when_settled([req_id])
-        self._send_flush()              # settles it promptly if it was lost
+    def _when_settled_once_sent(self, req_ids):
+        """Once every execution a flush waited for is sent (or ended unsent, None): one FLUSH for all of
+        them. (A FLUSH per send would put a barrier between every two appends: the server lets nothing
+        behind a barrier into the store until everything before it committed.)"""
+        req_ids = [req_id for req_id in req_ids if req_id is not None]
+        if not req_ids:
+            return None
+        settled = self.monitor.when_settled(req_ids)
+        self._send_flush()
         return settled
 
     def _unsent(self):

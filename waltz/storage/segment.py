@@ -235,6 +235,38 @@ class RecoveryReport:
     problem: str = None         #: why the scan stopped before the end of the file
 
 
+class _SearchTooLong(Exception):
+    """A search for a sound record would check too many candidates or bytes."""
+
+
+class _SearchBudget:
+    """Bounds the work of one search for a sound record after a bad one."""
+
+    MAX_CANDIDATES = 10_000
+    MAX_BYTES = 256 * 1024 * 1024
+
+    def __init__(self):
+        self.candidates = 0
+        self.bytes = 0
+
+    def sound(self, segment, offset: int, txn: int) -> bool:
+        """Whether a sound record ``txn`` is at ``offset``, counting the check against the budget."""
+        self.candidates += 1
+        if self.candidates > self.MAX_CANDIDATES:
+            raise _SearchTooLong("over %d places hold record %d's id" % (self.MAX_CANDIDATES, txn))
+        try:
+            segment._read_at(offset, txn, self)
+        except BadRecord:
+            return False
+        return True
+
+    def spend(self, length: int) -> None:
+        self.bytes += length
+        if self.bytes > self.MAX_BYTES:
+            raise _SearchTooLong("checking the places that hold it would read over %d MiB"
+                                 % (self.MAX_BYTES >> 20))
+
+
 # -- segment -------------------------------------------------------------------------------------
 
 class Segment:
@@ -382,12 +414,13 @@ class Segment:
         offset, txn = self._scan_start(trusted)
         scanner = RecordScanner(self.data_path, offset, txn)
         offsets = [scanned.offset for scanned in scanner]
-        if scanner.problem is not None:
+        problem = scanner.problem
+        if problem is not None:
             last_trusted = self.first_transaction_id + trusted - 1
             if scanner.next_transaction_id <= last_trusted:
                 raise CorruptedRecord("%s: %s, but it was synced: damage, not a torn write; refusing to cut the "
                                       "log there" % (self.data_path, scanner.problem))
-            self._check_torn_end(scanner.end_offset, scanner.next_transaction_id, scanner.problem)
+            problem = self._check_torn_end(scanner.end_offset, scanner.next_transaction_id, problem)
         start = txn - self.first_transaction_id
         self._index.write(start, offsets)
         self._index.truncate(start + len(offsets))  # also drops a torn trailing entry
@@ -398,7 +431,7 @@ class Segment:
         self._data_dirty = True
         self.sync(index=True)
         return RecoveryReport(self.first_transaction_id, txn, len(offsets), self.max_transaction_id,
-                              truncated, scanner.problem)
+                              truncated, problem)
 
     def _trusted_entries(self, local_low_water_mark: int) -> int:
         first, count = self.first_transaction_id, self._index.count
@@ -420,39 +453,57 @@ class Segment:
                 return offset + size, txn + 1
         return FILE_HEADER_SIZE, self.first_transaction_id
 
-    def _check_torn_end(self, offset: int, txn: int, problem: str) -> None:
+    def _check_torn_end(self, offset: int, txn: int, problem: str) -> str:
         """:class:`CorruptedRecord` when the bad record at ``offset`` is followed by a sound record ``txn + 1``
         anywhere after it. Not only where the bad record's own length points: a damaged length field points
-        elsewhere, and the sound records after it would be cut as a torn end."""
-        following = self._find_record(txn + 1, offset + 1)
+        elsewhere, and the sound records after it would be cut as a torn end. Returns the problem to report
+        for the cut."""
+        try:
+            following = self._find_record_after(offset, txn + 1)
+        except _SearchTooLong as exc:
+            # Data full of that number (a torn record's own payload, most likely): the places the bad record
+            # and the index point to were checked, and a torn end is by far the likelier case.
+            return "%s (the search for a sound record %d after it stopped: %s)" % (problem, txn + 1, exc)
         if following is None:
-            return      # nothing sound after it: the torn end of an unacknowledged write
+            return problem      # nothing sound after it: the torn end of an unacknowledged write
         raise CorruptedRecord("%s: %s, but record %d after it (at offset %d) is sound: damage, not a torn write; "
                               "refusing to cut the log there" % (self.data_path, problem, txn + 1, following))
 
-    def _find_record(self, txn: int, start: int, chunk_size: int = 1 << 20):
-        """The offset of the first sound record ``txn`` at or after ``start``, or None. Searches the bytes
-        for the record's leading transaction id (in C, chunk by chunk) and checks each candidate in full."""
+    def _find_record_after(self, offset: int, txn: int, chunk_size: int = 1 << 20):
+        """The offset of a sound record ``txn`` after ``offset``, or None. First where the bad record at
+        ``offset`` says it ends and where the index puts ``txn`` (either may be damaged too), then any
+        place holding ``txn``'s eight bytes (found in C, chunk by chunk), each candidate checked in full.
+        :class:`_SearchTooLong` when that would check too many candidates or bytes (data full of that
+        number)."""
+        budget = _SearchBudget()
+        for candidate in self._likely_positions(offset, txn):
+            if candidate > offset and budget.sound(self, candidate, txn):
+                return candidate
         pattern = struct.pack(">q", txn)
-        position = start
+        position = offset + 1
         while position < self._data_size:
             chunk = pread_upto(self._data_fd, min(chunk_size, self._data_size - position), position)
-            if not chunk:
-                return None
             found = chunk.find(pattern)
             while found >= 0:
-                try:
-                    self._read_at(position + found, txn)
-                except BadRecord:
-                    found = chunk.find(pattern, found + 1)
-                else:
+                if budget.sound(self, position + found, txn):
                     return position + found
+                found = chunk.find(pattern, found + 1)
             if len(chunk) < len(pattern):
                 return None
             position += len(chunk) - len(pattern) + 1     # a match may straddle two chunks
         return None
 
-    def _read_at(self, offset: int, txn: int):
+    def _likely_positions(self, offset: int, txn: int):
+        head = pread_upto(self._data_fd, RECORD_HEADER_SIZE, offset)
+        if len(head) == RECORD_HEADER_SIZE:
+            length = _RECORD_HEADER.unpack_from(head)[6]
+            if length >= 0:
+                yield offset + RECORD_OVERHEAD + length
+        entry = txn - self.first_transaction_id
+        if entry < self._index.count:
+            yield self._index.offset(entry)
+
+    def _read_at(self, offset: int, txn: int, budget=None):
         if not FILE_HEADER_SIZE <= offset < self._data_size:
             # A damaged index entry: outside the record area (os.pread would fail on a negative offset).
             raise BadRecord("offset %d outside the record area (%d to %d)"
@@ -460,8 +511,10 @@ class Segment:
         head = pread_upto(self._data_fd, RECORD_HEADER_SIZE, offset)
         available = self._data_size - offset
         if len(head) == RECORD_HEADER_SIZE:
-            length = _RECORD_HEADER.unpack_from(head)[6]
-            if 0 <= length <= available - RECORD_OVERHEAD:
+            txn_found, *_fields, length, _crc = _RECORD_HEADER.unpack_from(head)
+            if txn_found == txn and 0 <= length <= available - RECORD_OVERHEAD:
+                if budget is not None:
+                    budget.spend(length)
                 head += pread_upto(self._data_fd, length + RECORD_CRC_SIZE, offset + RECORD_HEADER_SIZE)
         return decode_record(head, 0, len(head), txn)
 
@@ -576,11 +629,14 @@ class Segment:
         return records
 
     def _check_offsets(self, transaction_id: int, offsets: list, end: int) -> None:
-        """:class:`CorruptedRecord` unless the index entries of a read increase within the record area: a
-        damaged entry would make the read ask for a huge buffer, or a negative offset."""
-        previous = FILE_HEADER_SIZE
+        """:class:`CorruptedRecord` unless the index entries of a read lie within the record area, before the
+        read's end: a damaged entry would make the read ask for a huge buffer, or a negative offset. (Entries
+        out of order are found by the record checks: each record's size must match its entries.)"""
+        if FILE_HEADER_SIZE <= min(offsets) and max(offsets) < end <= self._data_size:
+            return
+        previous = FILE_HEADER_SIZE - 1
         for k, offset in enumerate(offsets + [end]):
-            if not previous <= offset <= self._data_size or (k and offset == previous):
+            if not previous < offset <= self._data_size:
                 raise CorruptedRecord("partition %d, segment %s: the index entry of record %d (offset %d) is "
                                       "corrupted: not after %d and within the data file (%d bytes)"
                                       % (self.header.partition_id, self.data_path, transaction_id + k, offset,
