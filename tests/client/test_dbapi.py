@@ -374,3 +374,26 @@ async def test_calls_after_close_fail_with_the_helpers_own_database_thread_and_a
     third = callbacks.close()
     assert third.called
     await third
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_second_close_made_while_the_first_runs_fails_as_the_first_does(tmp_path):
+    path = str(tmp_path / "bank.db")
+    make_db(path)
+
+    class FailingClose:
+        def __init__(self, connection):
+            self._connection = connection
+
+        def __getattr__(self, name):
+            return getattr(self._connection, name)
+
+        def close(self):
+            self._connection.close()
+            raise sqlite3.OperationalError("disk I/O error")
+    callbacks = Bank(lambda: FailingClose(sqlite3.connect(path)))
+    await callbacks.create_table()
+    first, second = callbacks.close(), callbacks.close()
+    for closing in (first, second):
+        with pytest.raises(sqlite3.OperationalError, match="disk I/O error"):
+            await closing

@@ -33,6 +33,7 @@ import sqlite3
 
 from twisted.internet import defer, threads
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from waltz.client.api import WaltzClientCallbacks
 from waltz.client.workers import WorkerThread
@@ -308,9 +309,13 @@ class DbApiClientCallbacks(WaltzClientCallbacks):
         return threads.deferToThread(worker.stop).addCallback(lambda _: result)
 
     def _closed_now(self, result):
+        """The close under way ended: the calls that waited for it end the same way."""
         waiters, self._close_waiters = self._close_waiters, None
         for waiter in waiters:
-            waiter.callback(None)
+            if isinstance(result, Failure):
+                waiter.errback(result)
+            else:
+                waiter.callback(None)
         return result
 
 

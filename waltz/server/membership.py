@@ -461,14 +461,17 @@ class ServerMembership:
     def _schedule_retry(self, error):
         if self.stopped:
             return      # a pass that failed after stop() (its ZooKeeper client closed): nothing to retry
+        if self._reconcile_call is not None and self._reconcile_call.active():
+            self.log.warn("server {id}: reconciling the partition assignment failed: {error!r}; a retry is "
+                          "already due", id=self.server_id, error=error)
+            return
         # Doubling: a failure that lasts (a partition that cannot be opened) is neither a busy loop nor a
         # log line every half second.
         delay = min(self.max_retry_interval, self.retry_interval * 2 ** min(self._reconcile_failures, 30))
         self._reconcile_failures += 1
         self.log.warn("server {id}: reconciling the partition assignment failed: {error!r}; retrying in {delay} s",
                       id=self.server_id, error=error, delay=delay)
-        if self._reconcile_call is None or not self._reconcile_call.active():
-            self._reconcile_call = self.reactor.callLater(delay, self.request_reconcile)
+        self._reconcile_call = self.reactor.callLater(delay, self.request_reconcile)
 
     @defer.inlineCallbacks
     def _reconcile(self):
