@@ -301,17 +301,24 @@ async def test_unassigning_with_delete_repairs_a_corrupted_control_record(tmp_pa
         await second.stop()
 
 
-@pytest_twisted.ensureDeferred
-async def test_a_partition_whose_log_fails_to_open_reports_its_recorded_session(tmp_path):
-    # Its control record is sound: the admin port answered -1 for session and marks (so tools sent session -1).
+async def node_with_five_records(tmp_path, low_water_mark=None):
+    """The directory of a stopped storage node whose partition 0 holds records 0..4 (session 5)."""
     directory = str(tmp_path / "storage")
     first = Harness(directory)
     await first.start()
     await assign(first, 0)
     s = await first.connect()
     await s.request(sm.AppendRequest(5, 0, 0, records(0, 5), False))
-    await s.request(sm.SetLowWaterMarkRequest(5, 1, 0, 4, False))
+    if low_water_mark is not None:
+        await s.request(sm.SetLowWaterMarkRequest(5, 1, 0, low_water_mark, False))
     await first.stop()
+    return directory
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_partition_whose_log_fails_to_open_reports_its_recorded_session(tmp_path):
+    # Its control record is sound: the admin port answered -1 for session and marks (so tools sent session -1).
+    directory = await node_with_five_records(tmp_path, low_water_mark=4)
     with open(os.path.join(directory, "0", "%019d.seg" % 0), "r+b") as f:   # damage record 4, a trusted one
         f.seek(128 + 4 * 140 + 40)
         f.write(b"\x00\x01")
@@ -333,13 +340,7 @@ async def test_a_partition_whose_log_fails_to_open_reports_its_recorded_session(
 async def test_opening_a_partition_logs_what_its_recovery_cut(tmp_path):
     # A cut left no trace: an operator looking for a replica shorter than expected found nothing in its log.
     from twisted.logger import globalLogPublisher
-    directory = str(tmp_path / "storage")
-    first = Harness(directory)
-    await first.start()
-    await assign(first, 0)
-    s = await first.connect()
-    await s.request(sm.AppendRequest(5, 0, 0, records(0, 5), False))
-    await first.stop()
+    directory = await node_with_five_records(tmp_path)
     with open(os.path.join(directory, "0", "%019d.seg" % 0), "ab") as f:   # the torn start of record 5
         f.write(b"\x00" * 7 + b"\x05" + b"\x00" * 10)
     seen = []
