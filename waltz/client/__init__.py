@@ -19,8 +19,8 @@ from waltz.client.partition import PartitionState
 
 __all__ = [
     "BytesSerializer", "CLIENT_KEYS", "ClientAheadError", "ClientClosedError", "ClientSettings", "ClientState",
-    "ContextInFlightError", "DataChecksumError", "ExecutionResult", "IWaltzClientCallbacks", "JsonSerializer", "Outcome",
-    "PartitionInactiveError", "PartitionLocalLock", "PartitionNotFoundError", "PartitionState", "ReadError",
+    "ContextInFlightError", "DataChecksumError", "ExecutionResult", "IWaltzClientCallbacks", "JsonSerializer",
+    "Outcome", "PartitionInactiveError", "PartitionLocalLock", "PartitionNotFoundError", "PartitionState", "ReadError",
     "Transaction", "TransactionBuilder", "TransactionContext", "TransactionDataError", "TransactionRecord",
     "WaltzClient", "WaltzClientCallbacks", "WaltzClientError", "client_config",
 ]

@@ -219,8 +219,9 @@ class TransactionContext:
     def execute(self, builder: TransactionBuilder) -> bool:
         """Set the header, data and locks on ``builder``; return True to append the transaction,
         False to drop it (then :meth:`on_completion` gets False). Returning None (a forgotten
-        ``return``) is an error: the context ends with :meth:`on_exception` (``TypeError``). Called again on every retry,
-        with the client's newer high-water mark: recompute from the application's current state.
+        ``return``) is an error: the context ends with :meth:`on_exception` (``TypeError``). Called
+        again on every retry, with the client's newer high-water mark: recompute from the
+        application's current state.
         Raising ends the context with :meth:`on_exception`.
 
         It runs on the reactor thread: to read state with blocking calls, return a Deferred
