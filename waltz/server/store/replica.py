@@ -131,9 +131,9 @@ class StorageConnectionPool:
     """One :class:`StorageConnection` per storage node, created on first use.
 
     ``wanted()`` names the storage nodes the server keeps connected (those of the replica assignment). A
-    connection to any other node (one removed from the assignment, or a member of an old store session that a
-    recovery asked) is stopped once no replica session uses it: otherwise a server would reconnect for ever,
-    logging each attempt, to every node ever decommissioned while it ran.
+    connection to any other node (one removed from the assignment) is stopped once no replica session uses
+    it (the sessions made before the change close): otherwise a server would reconnect for ever, logging each
+    attempt, to every node ever decommissioned while it ran.
     """
 
     log = Logger()
