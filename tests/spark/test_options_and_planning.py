@@ -37,10 +37,38 @@ def test_defaults_and_case_insensitive_keys():
     ({"startingOffsets": "earliest"}, "startingoffsets"),                    # Kafka's name
     ({"cluster.root": "no-slash"}, "cluster.root"),
     ({"zookeeper.sessionTimeout": "x"}, "zookeeper.sessionTimeout"),
+    # Given but empty: read everything before (a list joined from an empty selection).
+    ({"headers": ""}, "headers"), ({"partitions": " "}, "partitions"),
+    ({"startingTransactionIds": ""}, "startingTransactionIds"),
+    ({"startingTransactionIds": '{"0": 5, "00": 7}'}, "startingTransactionIds"),   # one partition twice
+    ({"partitions": "0-20000000"}, "partitions"),    # beyond any cluster: built 20 million ids first
 ])
 def test_bad_options_name_the_option(extra, option):
     with pytest.raises(OptionError, match="option '%s'" % option):
         options(**extra)
+
+
+def test_a_negative_partition_key_is_named_as_such():
+    # The message said the transaction id was wrong.
+    with pytest.raises(OptionError, match="'-1' is not a partition id"):
+        options(startingTransactionIds='{"-1": 5}')
+
+
+@pytest.mark.parametrize("name", ["bank.db", "bank#1.db", "bank?x.db", "bank%41.db"])
+def test_the_ledger_job_reads_an_accounts_file_whatever_its_name(tmp_path, name):
+    # "file:%s?mode=ro" % path: '#' cut the path (and a file "bank" was created), '?' and '%' mangled it.
+    import sqlite3
+    from waltz.spark.jobs import ledger
+
+    class Spark:
+        def createDataFrame(self, rows, schema):
+            return rows
+    path = tmp_path / name
+    with sqlite3.connect(str(path)) as db:
+        db.execute("CREATE TABLE accounts (account INTEGER, balance INTEGER, active INTEGER)")
+        db.execute("INSERT INTO accounts VALUES (1, 50, 1)")
+    assert ledger.read_sqlite_accounts(Spark(), str(path)) == [(1, 50, True)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
 
 
 def test_ranges_resolve_earliest_latest_and_per_partition_ids():

@@ -20,6 +20,7 @@ import attr
 
 from waltz.client.config import CLIENT_KEYS, client_config
 from waltz.config import ConfigError
+from waltz.zk.metadata import MAX_PARTITIONS
 
 #: The ``-2`` / ``-1`` of Kafka's offset specs.
 EARLIEST = -2
@@ -139,10 +140,20 @@ def _required(values, name, *aliases):
     raise OptionError(name, "is required (for example .option(%r, ...))" % name)
 
 
-def _optional(values, name, parse, default=None):
-    value = values.get(name)
-    if value is None or not str(value).strip():
+#: The documented spelling of each optional option (Spark lower-cases the keys).
+_NAMES = {name.lower(): name for name in (
+    "partitions", "startingTransactionIds", "endingTransactionIds", "headers", "includeData", "includeRequestId",
+    "maxTransactionsPerSplit", "timeout")}
+
+
+def _optional(values, key, parse, default=None):
+    """The option ``key`` parsed, or ``default`` when it is not given. Given but blank is an error: an empty
+    ``headers`` or ``partitions`` (a list joined from an empty selection) would otherwise read everything."""
+    value = values.get(key)
+    if value is None:
         return default
+    if not str(value).strip():
+        raise OptionError(_NAMES.get(key, key), "is empty; leave the option out for its default")
     return parse(str(value).strip())
 
 
@@ -158,6 +169,9 @@ def parse_partitions(text):
             raise OptionError("partitions", "%r is not a partition list such as 0-3,7" % text) from None
         if low < 0 or high < low:
             raise OptionError("partitions", "%r: %r is not a partition id or an increasing range" % (text, item))
+        if high >= MAX_PARTITIONS:
+            raise OptionError("partitions", "%r: %d is not a partition id (a cluster has at most %d partitions)"
+                              % (text, high, MAX_PARTITIONS))
         ids.update(range(low, high + 1))
     return tuple(sorted(ids))
 
@@ -182,8 +196,12 @@ def parse_id_spec(name, text, allow_earliest=True):
             partition_id = int(key)
         except ValueError:
             raise OptionError(name, "%r is not a partition id" % key) from None
+        if partition_id < 0:
+            raise OptionError(name, "%r is not a partition id" % key)
+        if partition_id in per_partition:
+            raise OptionError(name, "partition %d is given twice" % partition_id)
         lowest = EARLIEST if allow_earliest else LATEST
-        if isinstance(value, bool) or not isinstance(value, int) or value < lowest or partition_id < 0:
+        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
             raise OptionError(name, "partition %s: %r is not a transaction id (>= 0, or %s)"
                               % (key, value, "-2 earliest, -1 latest" if allow_earliest else "-1 latest"))
         per_partition[partition_id] = value

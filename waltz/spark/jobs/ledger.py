@@ -20,7 +20,9 @@ or ``spark-submit waltz/spark/jobs/ledger.py ...`` (``--master`` then defaults t
 """
 
 import argparse
+import contextlib
 import os
+import pathlib
 import sqlite3
 import sys
 
@@ -76,7 +78,8 @@ def balances(entries):
 
 def read_sqlite_accounts(spark, path):
     """The ``accounts`` table of a SQLite file as a DataFrame (``account, balance, active``)."""
-    with sqlite3.connect("file:%s?mode=ro" % path, uri=True) as db:
+    # A file URI (read-only): quoted, so a path with '#', '?' or '%' opens that file, not another one it creates.
+    with contextlib.closing(sqlite3.connect(pathlib.Path(path).absolute().as_uri() + "?mode=ro", uri=True)) as db:
         rows = [(int(a), int(b), bool(c)) for a, b, c in db.execute("SELECT account, balance, active FROM accounts")]
     return spark.createDataFrame(rows, DB_SCHEMA)
 
@@ -137,7 +140,7 @@ def _verdict(spark, args, out):
     if args.compare_sqlite and not os.path.isfile(args.compare_sqlite):
         print("ledger: no such database file: %s" % args.compare_sqlite, file=out)
         return 2
-    options = {"headers": args.headers} if args.headers else {}
+    options = {"headers": args.headers} if args.headers is not None else {}   # "" is refused, not "all"
     entries = decode_entries(read_log(spark, args.zookeeper, args.cluster_root, **options)).cache()
     try:
         check_entries(entries)
