@@ -163,6 +163,26 @@ async def test_connect_to_nothing_fails_with_a_clear_error():
 
 
 @pytest_twisted.ensureDeferred
+async def test_connect_to_a_zookeeper_that_never_answers_fails_within_the_connect_timeout():
+    # A hung ZooKeeper (or a firewall dropping packets) accepts connections and says nothing: the failed
+    # connect then waited for kazoo's stop, which waited for the handshake, for the session timeout (30 s).
+    import socket
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)               # never accepted: the kernel completes the TCP handshake, nothing answers
+    try:
+        client = ZooKeeperClient("127.0.0.1:%d" % listener.getsockname()[1], session_timeout_ms=20000,
+                                 connect_timeout_ms=500)
+        started = reactor.seconds()
+        with pytest.raises(ZooKeeperConnectError, match="within 500 ms"):
+            await client.connect()
+        await client.close()
+        assert reactor.seconds() - started < 5
+    finally:
+        listener.close()
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_missing_chroot_is_named_at_connect(zookeeper):
     # Every request used to fail with a bare "NoNodeError".
     client = ZooKeeperClient(zookeeper.connect_string + "/no_such_chroot", connect_timeout_ms=5000)

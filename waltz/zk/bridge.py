@@ -151,6 +151,7 @@ class ZooKeeperClient:
         # kazoo's stop and close must then not race with the connect's own clean-up.
         self._closing = threading.Event()
         self._stop_lock = threading.Lock()
+        self._stopping_in_background = False   # a connect timed out: kazoo is being stopped (see _start)
 
     @classmethod
     def from_config(cls, config, reactor=None):
@@ -204,7 +205,7 @@ class ZooKeeperClient:
             if self._closing.is_set() or time.monotonic() >= deadline:
                 break
         if not self._kazoo.connected:
-            self._stop_and_close()
+            self._stop_in_background()
             if self._closing.is_set():
                 raise ZooKeeperConnectError("the ZooKeeper client was closed while connecting to %s"
                                             % self.connect_string)
@@ -223,6 +224,10 @@ class ZooKeeperClient:
         Runs in a thread of its own, not the reactor's pool: during an outage the pool's threads may
         all be blocked in kazoo calls that only this close ends."""
         self._closing.set()
+        if not self._kazoo.connected:
+            # No session to end now (never connected, or cut off): nothing to wait for.
+            self._stop_in_background()
+            return defer.succeed(None)
         d = defer.Deferred()
 
         def close_in_thread():
@@ -234,6 +239,14 @@ class ZooKeeperClient:
                 self._reactor.callFromThread(d.callback, None)
         threading.Thread(target=close_in_thread, name="zookeeper-close", daemon=True).start()
         return d
+
+    def _stop_in_background(self):
+        """Stop kazoo without waiting: its stop waits for its connection thread, which a ZooKeeper that
+        accepts and never answers (hung, or behind a firewall dropping packets) holds in the handshake for
+        the whole session timeout, so neither a connect timeout nor a close would bound the wait."""
+        if not self._stopping_in_background:
+            self._stopping_in_background = True
+            threading.Thread(target=self._stop_and_close, name="zookeeper-stop", daemon=True).start()
 
     def _stop_and_close(self):
         with self._stop_lock:
