@@ -56,6 +56,8 @@ def list_servers(args):
             try:
                 health = yield partition_health(metadata.reactor, descriptor.host, descriptor.port, args.timeout)
                 reachable = "reachable"
+            except defer.TimeoutError:     # its str() is a tuple: "(2.0, 'Deferred')"
+                health, reachable = {}, "UNREACHABLE (did not answer within %g s)" % args.timeout
             except Exception as exc:
                 health, reachable = {}, "UNREACHABLE (%s)" % (str(exc).splitlines() or ["?"])[0]
             lines.append("server %d at %s: %s%s" % (
