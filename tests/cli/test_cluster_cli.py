@@ -151,15 +151,21 @@ def test_a_config_file_with_a_misspelled_key_is_refused_and_daemon_configs_are_a
                                                         "--zookeeper", "127.0.0.1:%d" % free_port())
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--root", "/x"], "no zookeeper.connectString given: use --zookeeper"),
-    (["--zookeeper", "127.0.0.1:1"], "no cluster.root given: use --root"),
-    (["--zookeeper", "127.0.0.1:1", "--root", "x"], "config key 'cluster.root'"),
-    (["--zookeeper", "nohost", "--root", "/x"], "config key 'zookeeper.connectString'"),
-    (["-c", "/nonexistent/cli.yaml"], "cannot read config file /nonexistent/cli.yaml"),
+@pytest.mark.parametrize("args, message, code", [
+    (["--root", "/x"], "no zookeeper.connectString given: use --zookeeper", 1),
+    (["--zookeeper", "127.0.0.1:1"], "no cluster.root given: use --root", 1),
+    (["--zookeeper", "127.0.0.1:1", "--root", "x"], "argument --root: expected an absolute znode path", 2),
+    (["--zookeeper", "nohost", "--root", "/x"], "argument --zookeeper: expected a ZooKeeper connect string", 2),
+    (["-c", "/nonexistent/cli.yaml"], "cannot read config file /nonexistent/cli.yaml", 1),
 ])
-def test_bad_connection_options(args, message):
-    assert message in refused("cluster", "show", *args)
+def test_bad_connection_options(args, message, code):
+    assert message in refused("cluster", "show", *args, code=code)
+
+
+def test_a_bad_connection_value_in_a_config_file_names_its_key(tmp_path):
+    config = tmp_path / "cli.yaml"
+    config.write_text("zookeeper:\n  connectString: nohost\ncluster:\n  root: /x\n")
+    assert "config key 'zookeeper.connectString'" in refused("cluster", "show", "-c", str(config))
 
 
 @pytest.mark.parametrize("args", [

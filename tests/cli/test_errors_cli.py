@@ -56,6 +56,13 @@ def test_option_types(parse, good, bad):
     (["storage", "list", "--timeout", "0"], "argument --timeout: expected a positive number of seconds"),
     (["demo", "--duration", "0"], "argument --duration: expected a positive number of seconds"),
     (["smoke", "--fault-interval", "-4"], "argument --fault-interval: expected a positive number of seconds"),
+    # These exited 1 with the config key's message (one a bare int() error), after parsing.
+    (["cluster", "show", "--zookeeper", "127.0.0.1:70000", "--root", "/w"],
+     "argument --zookeeper: expected a ZooKeeper connect string"),
+    (["storage", "list", "--zookeeper", "127.0.0.1:abc", "--root", "/w"],
+     "argument --zookeeper: expected a ZooKeeper connect string"),
+    (["server", "list", "--zookeeper", "127.0.0.1:2181", "--root", "waltz_cluster"],
+     "argument --root: expected an absolute znode path like /waltz_cluster, got 'waltz_cluster'"),
 ])
 def test_bad_option_values_are_usage_errors(argv, message):
     with pytest.raises(CliError) as raised:

@@ -20,8 +20,8 @@ from twisted.internet import defer, task
 from twisted.logger import globalLogBeginner, textFileLogObserver
 from twisted.python.failure import Failure
 
-from waltz.cli.common import (CliError, debugging, milliseconds, non_negative_int, parse_partition_list,
-                              partition_count, port, positive_seconds)
+from waltz.cli.common import (CliError, connect_string, debugging, milliseconds, non_negative_int,
+                              parse_partition_list, partition_count, port, positive_seconds, znode_path)
 from waltz.config import ZOOKEEPER_KEYS, ConfigError, build_config, flatten, read_yaml
 from waltz.zk.bridge import ZooKeeperClient
 from waltz.zk.metadata import ClusterMetadata
@@ -53,8 +53,8 @@ def add_connection_options(parser):
     group = parser.add_argument_group("cluster connection")
     group.add_argument("-c", "--config", metavar="FILE",
                        help="YAML file with zookeeper.connectString and cluster.root")
-    group.add_argument("--zookeeper", metavar="HOST:PORT[,...]", help="ZooKeeper connect string")
-    group.add_argument("--root", metavar="/PATH", help="the cluster's root znode, e.g. /waltz_cluster")
+    group.add_argument("--zookeeper", metavar="HOST:PORT[,...]", type=connect_string, help="ZooKeeper connect string")
+    group.add_argument("--root", metavar="/PATH", type=znode_path, help="the cluster's root znode, e.g. /waltz_cluster")
     group.add_argument("--connect-timeout", metavar="MS", type=milliseconds,
                        help="give up connecting to ZooKeeper after MS milliseconds (default 10000)")
 

@@ -55,6 +55,11 @@ partition_count = argument_type(_partition_count, "a partition count from 1 to %
 non_negative_int = argument_type(config.non_negative_int, "a non-negative integer")
 #: An argparse type: a TCP port number.
 port = argument_type(config.port, "a port number 1-65535")
+#: An argparse type: a ZooKeeper connect string.
+connect_string = argument_type(config.connect_string, "a ZooKeeper connect string host:port[,host:port...] "
+                                                      "(ports 1-65535)")
+#: An argparse type: an absolute znode path.
+znode_path = argument_type(config.znode_path, "an absolute znode path like /waltz_cluster")
 #: An argparse type: milliseconds, 1 to a day (as the config files' millisecond keys).
 milliseconds = argument_type(config.milliseconds, "milliseconds from 1 to %d (a day)" % config.MAX_MILLISECONDS)
 
