@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import threading
 
 import pytest
@@ -60,6 +61,17 @@ def test_up_status_up_again_and_down(dev):
 
     run_dir = dev[1]
     cluster = DevCluster(run_dir)
+    # A hung storage node is asked once, not once per partition (3 s each: minutes on a large cluster).
+    hung = cluster.daemon("storage", 0)
+    os.kill(hung.pid, signal.SIGSTOP)
+    try:
+        status = waltz("dev", "status", *dev, timeout=120)
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+    assert status.returncode == 0, status.stderr
+    assert len(re.findall(r"^  127\.0\.0\.1:\d+  0: \? \(did not answer within 3 s\), 1: \?, 2: \?, 3: \?$",
+                          status.stdout, re.M)) == 1, status.stdout
+
     recorded = [d.pid for _, d in cluster.daemons()] + [cluster.zookeeper.pid]
     assert set(recorded) <= set(pids_of(run_dir))
     down = waltz("dev", "down", *dev, timeout=120)

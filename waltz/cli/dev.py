@@ -96,12 +96,17 @@ def cluster_status(reactor, cluster):
     lines.append("replicas (max transaction id):")
     for storage, admin_port in sorted(topology.connections.entries):
         client = StorageNodeClient(reactor, storage, admin_port, params, timeout=3)
-        ids = []
+        ids, silent = [], None
         for pid in topology.assignments.get(storage, ()):
+            if silent is not None:
+                ids.append("%d: ?" % pid)       # a node that did not answer is not asked again, per partition
+                continue
             try:
                 ids.append("%d: %d" % (pid, (yield client.max_transaction_id(pid))))
             except CliError as exc:
                 ids.append("%d: ? (%s)" % (pid, exc.problem if hasattr(exc, "problem") else exc))
+                if not getattr(exc, "answered", False):
+                    silent = exc
         client.close()
         lines.append("  %s  %s" % (storage, ", ".join(ids) or "no partitions"))
     return "\n".join(lines)
