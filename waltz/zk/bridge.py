@@ -151,7 +151,7 @@ class ZooKeeperClient:
         # kazoo's stop and close must then not race with the connect's own clean-up.
         self._closing = threading.Event()
         self._stop_lock = threading.Lock()
-        self._stopping_in_background = False   # a connect timed out: kazoo is being stopped (see _start)
+        self._stopping_in_background = False   # kazoo is being stopped without waiting (_stop_in_background)
 
     @classmethod
     def from_config(cls, config, reactor=None):
