@@ -861,12 +861,16 @@ class ClientPartition:
         self._send_flush()
         return settled
 
+    def _unsent_collections(self):
+        """Where executions not sent yet wait: queued, waiting to retry, gated after a lock failure, building."""
+        return self._waiting, self._retrying, self._gated, self._building
+
     def _unsent(self):
-        return [*self._waiting, *self._retrying, *self._gated, *self._building]
+        return [submission for collection in self._unsent_collections() for submission in collection]
 
     def has_pending(self) -> bool:
         """Whether an execution on this partition has not ended yet, sent or not."""
-        return bool(len(self.monitor) or self._waiting or self._retrying or self._gated or self._building)
+        return len(self.monitor) > 0 or any(self._unsent_collections())
 
     def nudge(self, now):
         """Send a FLUSH when pending appends made no progress within ``client.longWaitThreshold``; ask

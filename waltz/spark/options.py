@@ -36,10 +36,12 @@ MAX_TIMEOUT = 86400.0
 
 #: Client config keys that may be given as options (Spark lower-cases option keys; these restore the case).
 _CLIENT_KEYS_BY_LOWER = {key.name.lower(): key.name for key in CLIENT_KEYS}
+#: The documented spelling of each optional option, by its lower-cased key (Spark lower-cases the keys).
+_NAMES = {name.lower(): name for name in (
+    "partitions", "startingTransactionIds", "endingTransactionIds", "headers", "includeData", "includeRequestId",
+    "maxTransactionsPerSplit", "timeout")}
 #: The data source's own options, lower-cased; ``path`` is what ``load(path)`` passes (ignored).
-_OPTIONS = ("zookeeper", "zookeeper.connectstring", "cluster.root", "partitions", "startingtransactionids",
-            "endingtransactionids", "headers", "includedata", "includerequestid", "maxtransactionspersplit",
-            "timeout", "path")
+_OPTIONS = ("zookeeper", "zookeeper.connectstring", "cluster.root", *_NAMES, "path")
 
 
 class OptionError(ValueError):
@@ -138,12 +140,6 @@ def _required(values, name, *aliases):
         if value is not None and str(value).strip():
             return str(value).strip()
     raise OptionError(name, "is required (for example .option(%r, ...))" % name)
-
-
-#: The documented spelling of each optional option (Spark lower-cases the keys).
-_NAMES = {name.lower(): name for name in (
-    "partitions", "startingTransactionIds", "endingTransactionIds", "headers", "includeData", "includeRequestId",
-    "maxTransactionsPerSplit", "timeout")}
 
 
 def _optional(values, key, parse, default=None):
