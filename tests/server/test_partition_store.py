@@ -37,6 +37,7 @@ class Setup:
                                                                      **locks))
 
     def ack(self, storages=STORAGES[:2]):
+        self.clock.advance(0)       # the reactor turn ends: the appends queued in it go to the replicas
         session = self.replicas.sessions[-1]
         for storage in storages:
             session.replicas_by_name[storage].ack()
@@ -62,6 +63,7 @@ def test_serves_once_the_store_recovered_and_commits_reach_the_feed():
 def test_an_append_lost_with_its_session_fails_silently_and_the_next_commits():
     s = Setup(manual=True)
     s.append(1)
+    s.clock.advance(0)                        # the turn ends: the append goes to the replicas
     s.partition.handle(s.conn, FlushRequest(rid(2)))
     s.replicas.sessions[-1].close("test: replica lost")
     s.clock.advance(0)                        # a new session recovers: the append never reached a quorum

@@ -263,12 +263,14 @@ def test_unsettled_batch_is_settled_by_the_next_recovery_and_nothing_is_reported
     partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=2, max_batches_in_flight=1)
     partition.open()
     outcomes = {}
-    appends = [partition.append(ReqId(1, 1, 0, n), 0, b"d%d" % n, checksum(b"d%d" % n)) for n in range(4)]
+    appends = [partition.append(ReqId(1, 1, 0, 0), 0, b"d0", checksum(b"d0"))]
+    h.clock.advance(0)      # the turn ends: append 0 goes out alone
+    appends += [partition.append(ReqId(1, 1, 0, n), 0, b"d%d" % n, checksum(b"d%d" % n)) for n in range(1, 4)]
     for n, d in enumerate(appends):
         d.addBoth(lambda result, n=n: outcomes.setdefault(n, []).append(result))
     first = h.sessions[0]
     a, b, c = (first.replicas_by_name[s] for s in STORAGES)
-    # Append 0 went out alone (1-3 queued behind it); it reaches a only, then b and c fail.
+    # Append 0 is in flight (1-3 queued behind it); it reaches a only, then b and c fail.
     a.ack()
     b.fail()
     c.fail()
@@ -291,6 +293,7 @@ def test_unsettled_batch_on_a_quorum_is_reported_committed():
     partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=5)
     partition.open()
     d = partition.append(ReqId(1, 1, 0, 0), 0, b"x", checksum(b"x"))
+    h.clock.advance(0)
     first = h.sessions[0]
     a, b, c = (first.replicas_by_name[s] for s in STORAGES)
     a.ack()
@@ -523,23 +526,41 @@ def test_pipelined_batches_commit_in_order():
     assert results[3].result == 3
 
 
-def test_partial_batches_wait_for_the_one_in_flight_but_full_ones_pipeline():
+def test_a_turns_appends_make_one_batch_partial_batches_wait_for_the_one_in_flight_full_ones_pipeline():
     h = Harness(manual=True)
     partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=3, max_batches_in_flight=4)
     partition.open()
-    results = [partition.append(ReqId(1, 1, 0, n), 0, b"x", checksum(b"x")) for n in range(8)]
-    session = h.sessions[0]
-    a, b, c = (session.replicas_by_name[s] for s in STORAGES)
-    # 0 went alone; 1-3 made a full batch that pipelined; 4-6 full again; 7 waits (partial, batches in flight).
-    assert [call[1] for call in a.calls if call[0] == "append"] == [(0,), (1, 2, 3), (4, 5, 6)]
+    a, b, c = (h.sessions[0].replicas_by_name[s] for s in STORAGES)
+    sent = lambda: [call[1] for call in a.calls if call[0] == "append"]    # noqa: E731
+    first = partition.append(ReqId(1, 1, 0, 0), 0, b"x", checksum(b"x"))
+    assert sent() == []                      # not alone: the rest of this reactor turn may join it
+    h.clock.advance(0)
+    assert sent() == [(0,)] and h.clock.getDelayedCalls() == []
+    results = [first] + [partition.append(ReqId(1, 1, 0, n), 0, b"x", checksum(b"x")) for n in range(1, 9)]
+    # Full batches go at once and pipeline; the partial one (7, 8) waits for those in flight, even once
+    # the turn ended.
+    assert sent() == [(0,), (1, 2, 3), (4, 5, 6)]
+    h.clock.advance(0)
+    assert sent() == [(0,), (1, 2, 3), (4, 5, 6)]
     for replica in (a, b):
         for _ in range(3):
             replica.ack()
-    assert [d.called for d in results] == [True] * 7 + [False]
-    assert a.calls[-1] == ("append", (7,))   # nothing in flight any more: the partial batch goes
+    assert [d.called for d in results] == [True] * 7 + [False] * 2
+    assert a.calls[-1] == ("append", (7, 8))   # nothing in flight any more: the partial batch goes
     a.ack()
     b.ack()
-    assert results[7].result == 7
+    assert [d.result for d in results[7:]] == [7, 8]
+
+
+def test_closing_cancels_the_cut_of_the_turns_appends():
+    h = Harness(manual=True)
+    partition = StorePartition(0, 1, h.factory, h.clock)
+    partition.open()
+    d = partition.append(ReqId(1, 1, 0, 0), 0, b"x", checksum(b"x"))
+    d.addErrback(lambda f: None)
+    assert len(h.clock.getDelayedCalls()) == 1
+    partition.close()
+    assert h.clock.getDelayedCalls() == []
 
 
 def test_a_batch_stops_short_of_the_storages_frame_limit():
@@ -549,10 +570,12 @@ def test_a_batch_stops_short_of_the_storages_frame_limit():
     partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=100, max_batches_in_flight=1)
     partition.open()
     big = b"x" * (3 * 2 ** 20)
-    results = [partition.append(ReqId(1, 1, 0, n), 0, big, checksum(big)) for n in range(5)]
+    results = [partition.append(ReqId(1, 1, 0, 0), 0, big, checksum(big))]
+    h.clock.advance(0)
+    results += [partition.append(ReqId(1, 1, 0, n), 0, big, checksum(big)) for n in range(1, 5)]
     a, b, c = (h.sessions[0].replicas_by_name[s] for s in STORAGES)
     sent = [call[1] for call in a.calls if call[0] == "append"]
-    assert sent == [(0,)]                      # the first went alone (nothing was queued behind it yet)
+    assert sent == [(0,)]                      # the first went alone (its turn ended before the others)
     a.ack(), b.ack()
     assert [call[1] for call in a.calls if call[0] == "append"][-1] == (1, 2)    # 6 MiB: a third is over 8
     a.ack(), b.ack()
@@ -561,6 +584,7 @@ def test_a_batch_stops_short_of_the_storages_frame_limit():
     assert [d.result for d in results] == [0, 1, 2, 3, 4]
     huge = b"y" * (10 * 2 ** 20)             # one transaction over the batch limit still goes, alone
     last = partition.append(ReqId(1, 1, 0, 9), 0, huge, checksum(huge))
+    h.clock.advance(0)
     assert a.calls[-1] == ("append", (5,))
     a.ack(), b.ack()
     assert last.result == 5
@@ -581,6 +605,7 @@ def partition_with_committed(h, count):
     partition = StorePartition(0, 1, h.factory, h.clock)
     partition.open()
     done = [partition.append(ReqId(1, 1, 0, n), 0, b"r%d" % n, checksum(b"r%d" % n)) for n in range(count)]
+    h.clock.advance(0)
     assert [d.result for d in done] == list(range(count))
     return partition, [h.sessions[-1].replicas_by_name[s] for s in STORAGES]
 

@@ -2,8 +2,9 @@
 
 :class:`StorePartition` implements :class:`~waltz.interfaces.IStorePartition`.
 It queues appends, batches them (up to ``storage.maxBatchSize``), assigns
-their transaction ids, and hands one batch at a time to the current
-:class:`~waltz.server.store.session.StoreSession`. When a session closes it
+their transaction ids, and hands them to the current
+:class:`~waltz.server.store.session.StoreSession` (see :meth:`StorePartition._ready_to_send`
+and :meth:`StorePartition.append` for when a batch is cut). When a session closes it
 asks the session factory for a new one, whose recovery decides the fate of
 the batch that was in flight: ids at or below the resolved high-water mark
 were committed and are reported so; the others failed. Appends still queued
@@ -84,6 +85,7 @@ class StorePartition:
         self._flush_waiters = []
         self._opening = None
         self._restart_call = None       # the DelayedCall that starts the next session, if one is due
+        self._cut_call = None           # the DelayedCall that cuts the appends of this reactor turn
         self.sessions_started = 0
 
     # -- IStorePartition ---------------------------------------------------------------------
@@ -98,8 +100,20 @@ class StorePartition:
                                                                           self.lost or "closed")))
         pending = PendingAppend(req_id, header, bytes(data), checksum)
         self._queue.append(pending)
-        self._pump()
+        if len(self._queue) >= self.max_batch_size:
+            self._pump()
+        elif self._cut_call is None:
+            # The appends of one reactor turn arrive one by one (a read of a client connection carries
+            # many); sending at the first would send it alone and hold the rest until it commits. Cut at
+            # the next turn instead: what is written now goes out at the reactor's next poll anyway, so
+            # waiting for the turn's end costs no latency.
+            self._cut_call = self.reactor.callLater(0, self._cut)
         return pending.deferred
+
+    def _cut(self):
+        self._cut_call = None
+        if not self.closed and not self.lost:
+            self._pump()
 
     def flush(self):
         if not self._queue and not self._in_flight and not self._unsettled:
@@ -206,6 +220,11 @@ class StorePartition:
         if call is not None and call.active():
             call.cancel()
 
+    def _cancel_cut(self):
+        call, self._cut_call = self._cut_call, None
+        if call is not None and call.active():
+            call.cancel()
+
     def _session_closed(self, session, reason):
         if session is not self.session:
             return
@@ -230,6 +249,7 @@ class StorePartition:
     def _lose(self, reason):
         self.lost = reason
         self._cancel_restart()
+        self._cancel_cut()
         self.log.warn("partition {pid} lost: {reason}", pid=self.partition_id, reason=reason)
         self._fail_everything(PartitionNotOwned(reason))
 
@@ -304,6 +324,7 @@ class StorePartition:
             return defer.succeed(None)
         self.closed = True
         self._cancel_restart()
+        self._cancel_cut()
         if self.session is not None:
             self.session.close("store partition closed")
         self._fail_everything(AppendFailed("partition %d closed" % self.partition_id))
