@@ -8,9 +8,9 @@ and test_connections.py.
 import struct
 
 import pytest
-from twisted.internet import defer
+from twisted.internet import abstract, defer, error
 from twisted.internet.task import Clock
-from twisted.internet.testing import StringTransport
+from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import globalLogPublisher
 from twisted.test import iosim
 
@@ -453,3 +453,74 @@ def test_is_deferred_answers_like_isinstance():
     from waltz.protocols.base import is_deferred
     assert is_deferred(defer.Deferred()) and is_deferred(defer.DeferredList([]))
     assert not any(is_deferred(v) for v in (None, True, False, 0, b"", object()))
+
+
+class SocketlessDescriptor(abstract.FileDescriptor):
+    """A TCP-like transport (a Twisted ``FileDescriptor``) whose kernel is a list: what ``doWrite`` sends lands
+    in :attr:`sent`, or the send fails with :attr:`send_error`. Its reactor records who waits to write."""
+
+    def __init__(self, reactor):
+        super().__init__(reactor)
+        self.connected = True
+        self.sent = []
+        self.send_error = None
+
+    def writeSomeData(self, data):
+        if self.send_error is not None:
+            return self.send_error
+        self.sent.append(bytes(data))
+        return len(data)
+
+    def getPeer(self):
+        return "peer"
+
+    def getHost(self):
+        return "host"
+
+
+def echoing_over_a_descriptor():
+    """A protocol that answers every message at once, on a :class:`SocketlessDescriptor`, after the handshake."""
+    reactor = MemoryReactorClock()
+    transport = SocketlessDescriptor(reactor)
+    proto = RecordingProtocol(results=lambda message: proto.sendMessage(b"re:" + message))
+    proto.makeConnection(transport)
+    proto.dataReceived(hello_frame())
+    transport.doWrite()         # the Hello, as the reactor would
+    transport.sent.clear()
+    return proto, transport, reactor
+
+
+def test_what_the_handling_of_a_read_writes_goes_to_the_kernel_at_the_end_of_the_read():
+    proto, transport, reactor = echoing_over_a_descriptor()
+    proto.dataReceived(frame(b"a") + frame(b"b"))
+    # Without the write-through the answers would wait in the transport for the reactor's next poll.
+    assert b"".join(transport.sent) == frame(b"re:a") + frame(b"re:b")
+    assert transport not in reactor.getWriters()        # nothing left for the reactor to write
+
+
+def test_a_read_that_writes_nothing_sends_nothing_and_a_slow_peer_waits_for_the_reactor():
+    proto, transport, reactor = echoing_over_a_descriptor()
+    proto.results = None
+    proto.dataReceived(frame(b"quiet"))
+    assert transport.sent == []
+    proto.results = lambda message: proto.sendMessage(b"re:" + message)
+    proto.pauseProducing()                               # the peer does not read: outbound paused
+    proto.dataReceived(frame(b"c"))
+    assert transport.sent == [] and transport in reactor.getWriters()
+    proto.resumeProducing()
+    transport.doWrite()
+    assert b"".join(transport.sent) == frame(b"re:c")
+
+
+def test_a_failed_write_through_is_left_to_the_reactor_and_a_closing_connection_finishes_through_it():
+    proto, transport, reactor = echoing_over_a_descriptor()
+    transport.send_error = error.ConnectionLost()
+    proto.dataReceived(frame(b"d"))
+    assert transport in reactor.getWriters()            # its own write meets the error and closes it
+    transport.send_error = None
+    transport.doWrite()
+    assert b"".join(transport.sent) == frame(b"re:d")
+    transport.sent.clear()
+    transport.disconnecting = True
+    proto.dataReceived(frame(b"e"))
+    assert transport.sent == [] and transport in reactor.getWriters()

@@ -23,14 +23,19 @@
   when the peer reads too slowly: :attr:`writable` turns false and
   :meth:`outboundPaused` / :meth:`outboundResumed` are called, which feeds use
   to stop producing; with :attr:`pause_reading_while_unwritable` it also stops
-  reading until the peer catches up.
+  reading until the peer catches up;
+* writes through after a read: what the handling of a read wrote to this connection goes to the
+  kernel at the end of that read (:meth:`_write_through`), not at the reactor's next poll, after
+  every other connection's reads of the turn. A client process reading the feeds of several
+  connections in one turn sends each one's appends while it handles the others, so the server
+  works on them meanwhile instead of waiting for the whole turn.
 
 Subclasses implement :meth:`messageReceived` and may override
 :meth:`connectionReady` (handshake complete) and :meth:`connectionClosed`.
 """
 
 import attr
-from twisted.internet import defer, interfaces
+from twisted.internet import abstract, defer, interfaces
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -131,12 +136,16 @@ class WaltzProtocol(Protocol):
         self._last_heard = None     # clock time of the last tick that found something received
         self._abort_call = None     # aborts a closed connection still flushing (see close)
         self._encode = self._decode = None   # the codec's functions for the negotiated version
+        self._unsent = False        # written since the last write-through (see _write_through)
+        self._write_now = None      # the TCP transport's doWrite, for _write_through
         self.writable = True
 
     # -- connection life cycle -------------------------------------------------
 
     def connectionMade(self):
         self._set_no_delay()
+        if isinstance(self.transport, abstract.FileDescriptor):
+            self._write_now = self.transport.doWrite
         self.transport.registerProducer(self, True)
         self.transport.write(Hello(tuple(self.codec.versions), self.hello_name).to_frame())
         self._start_liveness()
@@ -231,7 +240,7 @@ class WaltzProtocol(Protocol):
             return
         payload = self._encode(message)
         self.transport.writeSequence((HEADER.pack(self.codec.magic, self.version, len(payload)), payload))
-        self._wrote = True
+        self._wrote = self._unsent = True
 
     def sendPayloads(self, payloads):
         """Send messages already encoded by this protocol's codec, in one write (only after the handshake).
@@ -248,7 +257,7 @@ class WaltzProtocol(Protocol):
             parts.append(pack(magic, version, len(payload)))
             parts.append(payload)
         self.transport.write(b"".join(parts))
-        self._wrote = True
+        self._wrote = self._unsent = True
 
     def sendKeepAlive(self):
         """Send a zero-length frame (only once the handshake completed)."""
@@ -312,6 +321,24 @@ class WaltzProtocol(Protocol):
         self._received = True
         self._buffer += data
         self._process_buffer()
+        if self._unsent:
+            self._write_through()
+
+    def _write_through(self):
+        """Hand what this connection buffered to the kernel now (a non-blocking send), not at the next poll.
+
+        Only on a TCP transport (a Twisted ``FileDescriptor``) that is open and writable: a closing
+        one finishes through the reactor, and one whose peer reads slowly (outbound paused) waits for
+        the reactor to find it writable, as before. Whatever the send leaves (a full socket buffer), or an
+        error it meets, stays with the transport, still registered for writing: the reactor's own write
+        sends the rest or closes the connection, as it would have.
+        """
+        self._unsent = False
+        transport = self.transport
+        if (self._write_now is None or self.closed or not self.writable or not transport.connected
+                or transport.disconnecting):
+            return
+        self._write_now()
 
     def _process_buffer(self):
         try:
