@@ -524,3 +524,14 @@ def test_a_failed_write_through_is_left_to_the_reactor_and_a_closing_connection_
     transport.disconnecting = True
     proto.dataReceived(frame(b"e"))
     assert transport.sent == [] and transport in reactor.getWriters()
+
+
+def test_an_aborted_or_half_closed_transport_is_not_written_through():
+    proto, transport, reactor = echoing_over_a_descriptor()
+    transport._writeDisconnecting = True            # loseWriteConnection was called
+    proto.dataReceived(frame(b"f"))
+    assert transport.sent == []
+    transport._writeDisconnecting = False
+    transport.doWrite = lambda: None                # what abortConnection installs
+    proto.dataReceived(frame(b"g"))
+    assert transport.sent == []

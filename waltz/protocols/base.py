@@ -137,15 +137,14 @@ class WaltzProtocol(Protocol):
         self._abort_call = None     # aborts a closed connection still flushing (see close)
         self._encode = self._decode = None   # the codec's functions for the negotiated version
         self._unsent = False        # written since the last write-through (see _write_through)
-        self._write_now = None      # the TCP transport's doWrite, for _write_through
+        self._writes_through = False    # the transport is a TCP one (see _write_through)
         self.writable = True
 
     # -- connection life cycle -------------------------------------------------
 
     def connectionMade(self):
         self._set_no_delay()
-        if isinstance(self.transport, abstract.FileDescriptor):
-            self._write_now = self.transport.doWrite
+        self._writes_through = isinstance(self.transport, abstract.FileDescriptor)
         self.transport.registerProducer(self, True)
         self.transport.write(Hello(tuple(self.codec.versions), self.hello_name).to_frame())
         self._start_liveness()
@@ -328,17 +327,18 @@ class WaltzProtocol(Protocol):
         """Hand what this connection buffered to the kernel now (a non-blocking send), not at the next poll.
 
         Only on a TCP transport (a Twisted ``FileDescriptor``) that is open and writable: a closing
-        one finishes through the reactor, and one whose peer reads slowly (outbound paused) waits for
-        the reactor to find it writable, as before. Whatever the send leaves (a full socket buffer), or an
-        error it meets, stays with the transport, still registered for writing: the reactor's own write
-        sends the rest or closes the connection, as it would have.
+        (or half-closed) one finishes through the reactor, and one whose peer reads slowly (outbound
+        paused) waits for the reactor to find it writable, as before. Whatever the send leaves (a full
+        socket buffer), or an error it meets, stays with the transport, still registered for writing: the
+        reactor's own write sends the rest or closes the connection, as it would have. ``doWrite`` is looked
+        up at each call: an aborted transport replaces it with one that writes nothing.
         """
         self._unsent = False
         transport = self.transport
-        if (self._write_now is None or self.closed or not self.writable or not transport.connected
-                or transport.disconnecting):
+        if (not self._writes_through or self.closed or not self.writable or not transport.connected
+                or transport.disconnecting or getattr(transport, "_writeDisconnecting", False)):
             return
-        self._write_now()
+        transport.doWrite()
 
     def _process_buffer(self):
         try:
