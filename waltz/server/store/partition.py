@@ -215,15 +215,12 @@ class StorePartition:
         self._restart_call = None
         self._start_session()
 
-    def _cancel_restart(self):
-        call, self._restart_call = self._restart_call, None
-        if call is not None and call.active():
-            call.cancel()
-
-    def _cancel_cut(self):
-        call, self._cut_call = self._cut_call, None
-        if call is not None and call.active():
-            call.cancel()
+    def _cancel_calls(self):
+        """Cancel the pending session restart and cut (the partition closed or was lost)."""
+        for call in (self._restart_call, self._cut_call):
+            if call is not None and call.active():
+                call.cancel()
+        self._restart_call = self._cut_call = None
 
     def _session_closed(self, session, reason):
         if session is not self.session:
@@ -248,8 +245,7 @@ class StorePartition:
 
     def _lose(self, reason):
         self.lost = reason
-        self._cancel_restart()
-        self._cancel_cut()
+        self._cancel_calls()
         self.log.warn("partition {pid} lost: {reason}", pid=self.partition_id, reason=reason)
         self._fail_everything(PartitionNotOwned(reason))
 
@@ -323,8 +319,7 @@ class StorePartition:
         if self.closed:
             return defer.succeed(None)
         self.closed = True
-        self._cancel_restart()
-        self._cancel_cut()
+        self._cancel_calls()
         if self.session is not None:
             self.session.close("store partition closed")
         self._fail_everything(AppendFailed("partition %d closed" % self.partition_id))
