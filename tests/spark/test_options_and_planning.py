@@ -48,6 +48,15 @@ def test_bad_options_name_the_option(extra, option):
         options(**extra)
 
 
+def test_the_connect_string_given_twice_must_agree():
+    # Two different ensembles given: the first spelling won, silently.
+    with pytest.raises(OptionError, match="option 'zookeeper': is given twice.*'127.0.0.1:2181'.*'127.0.0.1:2182'"):
+        options(**{"zookeeper.connectString": "127.0.0.1:2182"})
+    both = options(**{"zookeeper.connectString": "127.0.0.1:2181"})
+    alone = parse_options({"zookeeper.connectString": "127.0.0.1:2182", "cluster.root": "/c"})
+    assert both.zookeeper == "127.0.0.1:2181" and alone.zookeeper == "127.0.0.1:2182"
+
+
 def test_a_negative_partition_key_is_named_as_such():
     # The message said the transaction id was wrong.
     with pytest.raises(OptionError, match="'-1' is not a partition id"):

@@ -103,7 +103,7 @@ def parse_options(options: Mapping) -> ReadOptions:
 
 def _parse(values):
     return ReadOptions(
-        zookeeper=_required(values, "zookeeper", "zookeeper.connectstring"),
+        zookeeper=_connect_string(values),
         cluster_root=_required(values, "cluster.root"),
         partitions=_optional(values, "partitions", parse_partitions),
         starting=_optional(values, "startingtransactionids", lambda v: parse_id_spec("startingTransactionIds", v),
@@ -132,6 +132,17 @@ def _check_known(values):
                           "partitions, startingTransactionIds, endingTransactionIds, headers, includeData, "
                           "includeRequestId, maxTransactionsPerSplit, timeout, and client.* / zookeeper.* "
                           "client config keys)")
+
+
+def _connect_string(values):
+    """``zookeeper``, or its client-config spelling ``zookeeper.connectString``; both given must agree (which
+    of two different ensembles was meant cannot be guessed)."""
+    given = {key: str(values[key]).strip() for key in ("zookeeper", "zookeeper.connectstring")
+             if values.get(key) is not None and str(values[key]).strip()}
+    if len(set(given.values())) > 1:
+        raise OptionError("zookeeper", "is given twice, as zookeeper (%r) and as zookeeper.connectString (%r); "
+                          "give one" % (given["zookeeper"], given["zookeeper.connectstring"]))
+    return _required(values, "zookeeper", "zookeeper.connectstring")
 
 
 def _required(values, name, *aliases):
