@@ -4,8 +4,11 @@ settles as usual and is not attempted again (fake servers on a Clock, as in test
 from twisted.internet import defer
 from twisted.python.failure import Failure
 
-from tests.client.fakes import RecordingContext
+from tests.client.fakes import EP_A, RecordingContext
 from tests.client.test_client import SlowContext, _waiting_to_retry_after_a_lock_failure, outcome
+from waltz.client.client import ClientState
+from waltz.client.errors import ClientClosedError
+from waltz.client.partition import PartitionState
 from waltz.protocols import client_messages as m
 
 
@@ -94,3 +97,29 @@ def test_an_execution_cancelled_before_the_client_started_is_never_executed(harn
     assert _cancelled(d) and context.events == [("exception", "CancelledError")]
     harness.join()
     assert context.executions == 0 and harness.server_a.messages(m.AppendRequest) == []
+
+
+def test_a_hook_that_closes_the_client_while_a_mount_completes_leaves_the_partition_closed(harness):
+    # The mount's completion fails what is still pending; a hook run by that closed the client, and the
+    # mount then marked the partition MOUNTED again: a later get_data on it never answered.
+    client = harness.client()
+    partition = client._partitions[0]
+    harness.server_a.hold_appends = True
+
+    class ClosesTheClient(RecordingContext):
+        def on_exception(self, exception):
+            super().on_exception(exception)
+            client.close()
+
+    context = ClosesTheClient()
+    d = client.execute(context)
+    harness.settle()
+    d.cancel()                                     # sent: it settles as usual, then ends with CancelledError
+    assert _cancelled(d)
+    harness.server_a.held = []                     # the append is lost with the connection
+    harness.network.disconnect(EP_A)               # the remount's completion fails it: the hook closes
+    harness.settle(1)
+    assert context.events[-1] == ("exception", "CancelledError")
+    assert client.state is ClientState.CLOSED and partition.state is PartitionState.CLOSED
+    fetched = partition.fetch_data(0)
+    assert isinstance(outcome(fetched), Failure) and outcome(fetched).check(ClientClosedError)

@@ -584,6 +584,8 @@ class ClientPartition:
                  pid=self.partition_id, endpoint=self.stream.endpoint, hwm=self.applied_hwm)
         for submission in self.monitor.fail_all():
             self._attempt_failed(submission)
+        if req_id != self._mount_req_id or self.state is not PartitionState.MOUNTING:
+            return      # a hook run by a failure closed the client (or the partition moved): that stands
         self._set_state(PartitionState.MOUNTED)
         self._after_settlement()
 
