@@ -78,6 +78,22 @@ def test_when_settled_waits_for_what_was_pending():
     assert d.called and len(monitor) == 1
 
 
+def test_when_settled_fires_at_the_end_of_the_outermost_settling_block():
+    # Before, it fired inside committed(): a flush's callback ran before the settled submissions' results.
+    clock, monitor, subs = monitor_with(1, 2)
+    d = monitor.when_settled()
+    with monitor.settling():
+        with monitor.settling():
+            committed, failed = monitor.committed(rid(2))
+            committed.committed(7)
+        assert not d.called and subs[2].context.events[-1] == ("completion", True)
+    assert d.called
+    clock.advance(3)
+    with monitor.settling():                # nothing settled: no progress recorded
+        pass
+    assert monitor.last_progress == 0
+
+
 def test_progress_time_moves_with_registrations_and_settlements():
     clock, monitor, _ = monitor_with(1)
     clock.advance(5)

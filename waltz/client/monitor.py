@@ -155,6 +155,8 @@ class TransactionMonitor:
         self._clock = clock
         self._pending = OrderedDict()
         self._waiters = []
+        self._holding = 0             # depth of settling() blocks: waiters are told at the outermost end
+        self._tell_later = False      # something settled inside such a block
         self._registrations = 0       # appends registered so far; each is sent as it is registered
         self._flushes = {}            # flushed ReqId -> registrations its first unanswered FLUSH covers
         #: Reactor time of the last registration or settlement (see ``client.longWaitThreshold``).
@@ -239,6 +241,23 @@ class TransactionMonitor:
             self._settled()
         return failed
 
+    def settling(self):
+        """``with monitor.settling():`` around settling appends *and* finishing their submissions: what
+        :meth:`when_settled` returned fires only at the end of the block, once every result and hook of
+        what it settled has run, not between them (nested blocks: at the outermost end)."""
+        return self
+
+    def __enter__(self):
+        self._holding += 1
+        return self
+
+    def __exit__(self, *exc_info):
+        self._holding -= 1
+        if not self._holding and self._tell_later:
+            self._tell_later = False
+            self._tell_waiters()
+        return False
+
     def when_settled(self, req_ids=None):
         """A Deferred firing once none of ``req_ids`` (default: all pending now) is pending."""
         waiting = set(self._pending if req_ids is None else req_ids) & set(self._pending)
@@ -261,6 +280,12 @@ class TransactionMonitor:
 
     def _settled(self):
         self.touch()
+        if self._holding:
+            self._tell_later = True   # at the end of the settling() block
+        else:
+            self._tell_waiters()
+
+    def _tell_waiters(self):
         still, ready = [], []
         for waiting, d in self._waiters:
             waiting &= self._pending.keys()

@@ -353,8 +353,9 @@ class ClientPartition:
         self._set_state(PartitionState.CLIENT_AHEAD)
         self._mount_req_id = None
         self._fail_queued(error)
-        for submission in self.monitor.fail_all():
-            submission.failed(error)
+        with self.monitor.settling():
+            for submission in self.monitor.fail_all():
+                submission.failed(error)
         self._report(self.received_hwm, error)
 
     def _on_feed_data(self, message):
@@ -430,19 +431,21 @@ class ClientPartition:
         if self.applied_hwm < high_water_mark:
             self._gates.wait(high_water_mark, lambda: self._flush_completed(req_id, high_water_mark))
             return
-        for submission in self.monitor.flush(req_id):
-            self._attempt_failed(submission)
+        with self.monitor.settling():
+            for submission in self.monitor.flush(req_id):
+                self._attempt_failed(submission)
         self._after_settlement()
 
     def _on_lock_failure(self, message):
-        submission = self.monitor.abort(message.req_id)
-        if submission is None:
-            return
-        log.debug("partition {pid}: lock failure of {req_id}; retry once the high-water mark reaches {txn}",
-                  pid=self.partition_id, req_id=message.req_id, txn=message.transaction_id)
-        submission.lock_failed()
-        submission.retry_after = message.transaction_id
-        self._attempt_failed(submission)
+        with self.monitor.settling():
+            submission = self.monitor.abort(message.req_id)
+            if submission is None:
+                return
+            log.debug("partition {pid}: lock failure of {req_id}; retry once the high-water mark reaches {txn}",
+                      pid=self.partition_id, req_id=message.req_id, txn=message.transaction_id)
+            submission.lock_failed()
+            submission.retry_after = message.transaction_id
+            self._attempt_failed(submission)
         self._after_settlement()
 
     _STREAM_HANDLERS = {
@@ -476,11 +479,12 @@ class ClientPartition:
     def _detect(self, req_id, txn):
         """This client's transaction ``txn`` reached the feed: its append is settled as committed, and the
         older appends still pending failed (seed 004). Its submission, or None."""
-        submission, failed = self.monitor.committed(req_id)
-        for other in failed:
-            self._attempt_failed(other)
-        if submission is not None:
-            submission.committed(txn)
+        with self.monitor.settling():
+            submission, failed = self.monitor.committed(req_id)
+            for other in failed:
+                self._attempt_failed(other)
+            if submission is not None:
+                submission.committed(txn)
         return submission
 
     def _start_applying(self, req_id, txn, detect):
@@ -582,8 +586,9 @@ class ClientPartition:
             return
         log.info("partition {pid}: mounted at {endpoint} (high-water mark {hwm})",
                  pid=self.partition_id, endpoint=self.stream.endpoint, hwm=self.applied_hwm)
-        for submission in self.monitor.fail_all():
-            self._attempt_failed(submission)
+        with self.monitor.settling():
+            for submission in self.monitor.fail_all():
+                self._attempt_failed(submission)
         if req_id != self._mount_req_id or self.state is not PartitionState.MOUNTING:
             return      # a hook run by a failure closed the client (or the partition moved): that stands
         self._set_state(PartitionState.MOUNTED)
@@ -1053,8 +1058,9 @@ class ClientPartition:
             self._cancel(name)
         error = ClientClosedError("the Waltz client is closed")
         self._fail_queued(error)
-        for submission in self.monitor.fail_all():
-            submission.failed(error)
+        with self.monitor.settling():
+            for submission in self.monitor.fail_all():
+                submission.failed(error)
         self._gates.clear()
         self._drop_feed()
         fetches, self._fetches = self._fetches, {}
