@@ -335,17 +335,28 @@ def test_truncate_into_an_older_segment_keeps_a_damaged_record_below_the_cut(sma
         small_log.read_records(5, 1)
 
 
-def test_a_truncation_that_cannot_reopen_a_damaged_segment_makes_the_log_unusable(small_log):
-    # Segment 8 is deleted first; segment 4's last record (7), synced at the roll, is damaged, so it
-    # cannot be reopened. The log used to go on without an active segment, reporting itself empty: a
-    # replica voting -1.
+def test_a_truncation_cuts_a_damaged_record_it_drops_without_reading_it(small_log, tmp_path):
+    # Segment 4's last record (7), synced at the roll, is damaged, and the truncation to 6 drops it. Reopening
+    # segment 4 read and checked that record first, and failed: the log was unusable until a restart, and the
+    # truncation, asked again, failed again.
     small_log.append(small_records(0, 12))   # segments 0, 4, 8
-    path = os.path.join(small_log.directory, data_file_name(4))
-    with open(path, "r+b") as f:
-        f.seek(128 + 3 * 60 + 40)             # a data byte of record 7
-        byte = f.read(1)
-        f.seek(128 + 3 * 60 + 40)
-        f.write(bytes([byte[0] ^ 1]))
+    damage_record(small_log, 4, 3)            # record 7
+    small_log.truncate(6)
+    assert small_log.max_transaction_id == 6 and small_log.segment_ids == (0, 4)
+    assert small_log.read_records(0, 100) == small_records(0, 7)
+    small_log.append(small_records(7, 2))
+    small_log.close()
+    reopened = open_log(tmp_path, segment_size_threshold=SMALL)
+    assert reopened.read_records(0, 100) == small_records(0, 9)
+    reopened.close()
+
+
+def test_a_truncation_that_cannot_reopen_a_damaged_segment_makes_the_log_unusable(small_log):
+    # Segment 8 is deleted first; segment 4's record 6, the last one kept and synced at the roll, is damaged,
+    # so it cannot be reopened to write after it. The log used to go on without an active segment, reporting
+    # itself empty: a replica voting -1.
+    small_log.append(small_records(0, 12))   # segments 0, 4, 8
+    damage_record(small_log, 4, 2)            # record 6
     with pytest.raises(CorruptedRecord):
         small_log.truncate(6)
     for attempt in (small_log.check_usable, lambda: small_log.append(small_records(8, 1)),
@@ -382,7 +393,7 @@ def test_a_segment_that_fails_its_recovery_is_closed(tmp_path, failing):
             with pytest.raises(CorruptedRecord):
                 open_log(tmp_path, segment_size_threshold=SMALL)
     else:
-        damage_record(log, 4, 3)              # record 7: segment 4 cannot be reopened to truncate to 6
+        damage_record(log, 4, 2)              # record 6: segment 4 cannot be reopened to truncate to 6
         with pytest.raises(CorruptedRecord):
             log.truncate(6)
         log.close()

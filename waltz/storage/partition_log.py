@@ -272,7 +272,7 @@ class PartitionLog:
                 fsync_directory(self.directory)
             if self._segment_ids:
                 step = "could not reopen segment %d" % self._segment_ids[-1]
-                self._active = self._reopen_for_writing(self._segment_ids[-1])
+                self._active = self._reopen_for_writing(self._segment_ids[-1], transaction_id)
                 step = "could not cut segment %d" % self._segment_ids[-1]
                 self._active.truncate(transaction_id)
         except Exception as exc:    # damage, or an OSError (EIO, EROFS, EMFILE) deleting, syncing, opening, cutting
@@ -290,15 +290,17 @@ class PartitionLog:
         else:
             remove_segment_files(self.directory, first)
 
-    def _reopen_for_writing(self, first: int) -> Segment:
+    def _reopen_for_writing(self, first: int, through: int) -> Segment:
+        """Segment ``first`` as the active one, for a truncation keeping records up to ``through``."""
         if self._active is not None and self._active.first_transaction_id == first:
             return self._active
         cached = self._cache.pop(first, None)
         if cached is not None:
             cached.close()
         # The newest segment is always a recovered one. This one was synced, index included, when the log
-        # rolled past it: its index is trusted whole (a record damaged since is found by reads, not cut here).
-        segment, _ = self._open_recovered(first, sealed=True)
+        # rolled past it: its index is trusted (a record damaged since is found by reads, not cut here), and
+        # what follows ``through`` is cut unread (damage there is dropped with it).
+        segment, _ = self._open_recovered(first, sealed=True, through=through)
         return segment
 
     def _open_recovered(self, first: int, *args, **kwargs):

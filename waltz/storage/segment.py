@@ -391,7 +391,7 @@ class Segment:
 
     # -- recovery ----------------------------------------------------------------------------
 
-    def recover(self, local_low_water_mark: int = -1, sealed: bool = False) -> RecoveryReport:
+    def recover(self, local_low_water_mark: int = -1, sealed: bool = False, through: int = None) -> RecoveryReport:
         """Make data and index consistent after an unclean stop, durably.
 
         Index entries below the last checkpoint in the index, and up to
@@ -408,10 +408,18 @@ class Segment:
         followed by a sound one (a complete record was written after it). Cutting
         there would drop records that may have been acknowledged, and the replica
         would report, and vote with, a shorter log than it was sent.
+
+        With ``through`` (a truncation reopening a sealed segment to cut it after record ``through``), only the
+        records up to ``through`` count: once record ``through`` is sound, nothing after it is read, and damage
+        there, about to be cut, does not stop the truncation.
         """
         self._check_writable()
         trusted = self._index.count if sealed else self._trusted_entries(local_low_water_mark)
+        if through is not None:
+            trusted = min(trusted, max(0, through + 1 - self.first_transaction_id))
         offset, txn = self._scan_start(trusted)
+        if through is not None and txn > through:
+            return RecoveryReport(self.first_transaction_id, txn, 0, self.max_transaction_id, 0)
         scanner = RecordScanner(self.data_path, offset, txn)
         offsets = [scanned.offset for scanned in scanner]
         problem = scanner.problem
