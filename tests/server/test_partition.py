@@ -540,6 +540,21 @@ def test_a_remount_on_the_same_connection_with_the_same_key_is_accepted():
                                       MountResponse(rid(1), MountState.READY)]
 
 
+def test_a_mount_replaced_on_its_connection_by_a_newer_key_before_it_completed_gets_no_answer():
+    # Both waited behind the same append; the older one got READY (or CLIENT_AHEAD) too.
+    h = Harness(records=3)
+    conn = DummyConnection()
+    h.mount(conn, client_hwm=2, seq_num=1)
+    h.handle(conn, append(1, client_hwm=2))
+    h.run()
+    conn.take()
+    h.handle(conn, MountRequest(rid(5), 3, 2))     # key (GEN, 2), nothing to catch up once the append commits
+    h.handle(conn, MountRequest(rid(6), 3, 3))     # key (GEN, 3), on the same connection
+    h.store.commit()
+    h.run()
+    assert conn.of(MountResponse) == [MountResponse(rid(6), MountState.READY)]
+
+
 def test_a_feed_request_of_an_earlier_mount_does_not_replace_the_mount_catch_up():
     h = Harness(records=5)
     conn = DummyConnection()

@@ -18,7 +18,7 @@ The head of the queue waits (:class:`AppendTaskState`) while
 
 * it is an append and ``max_pending_appends`` appends are already with the
   store (the store's pipeline is full),
-* it is an append whose checked locks share a slot with an in-flight append
+* it is an append whose checked locks share a lock hash with an in-flight append
   (the lock table cannot decide yet; reference 5 "forces a store flush and
   then retries": here it simply waits for the in-flight appends to settle),
 * it is a barrier and appends are still with the store (a barrier fires once
@@ -511,7 +511,8 @@ class ServerPartition:
 
     def _mount_flushed(self, high_water_mark, connection, request):
         req_id = request.req_id
-        if not self.is_mounted(connection, req_id.client_id):
+        current = self._mounts.get(req_id.client_id)
+        if current is None or current.connection is not connection or current.key != _mount_key(request):
             self.log.info("partition {pid}: mount of client {client} superseded while flushing",
                           pid=self.partition_id, client=req_id.client_id)
             return
