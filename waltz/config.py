@@ -74,6 +74,12 @@ def non_negative_int(value):
 MAX_MILLISECONDS = 86_400_000
 
 
+def expiration_ms(timeout):
+    """``client.transactionExpiration`` for a run bounded by ``timeout`` seconds, within what the key takes
+    (a command's ``--timeout`` may go up to a year and down to a fraction of a millisecond; 0 means never)."""
+    return max(1, min(MAX_MILLISECONDS, round(timeout * 1000)))
+
+
 def milliseconds(value):
     """A duration in milliseconds, 1 to :data:`MAX_MILLISECONDS`."""
     number = _parse_int(value)

@@ -44,3 +44,4 @@ def test_demo_option_errors_are_one_line():
     assert "argument --instances: expected a positive integer, got '0'" in refused("demo", "--instances", "0", code=2)
     assert "argument --duration: expected a positive number of seconds up to 31622400, got '0'" in refused(
         "demo", "--duration", "0", code=2)
+    assert "argument --root: expected an absolute znode path" in refused("demo", "--root", "relative", code=2)

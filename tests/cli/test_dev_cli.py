@@ -88,6 +88,9 @@ def test_status_without_a_cluster_says_so(dev):
 def test_bad_arguments_are_one_line_errors(dev):
     assert "expected a port number 1-65535, got 'many'" in refused("dev", "up", "--zookeeper-port", "many", code=2)
     assert "expected a partition count from 1 to 10000, got '0'" in refused("dev", "up", "--partitions", "0", code=2)
+    # Was taken as is: "status" went on and exited 3, "up" started ZooKeeper and the daemons first.
+    for command in ("up", "status"):
+        assert "argument --root: expected an absolute znode path" in refused("dev", command, "--root", "rel", code=2)
 
 
 class _Recorder:

@@ -11,6 +11,7 @@ from twisted.internet import defer, task
 from waltz.cli import main, smoke
 from waltz.local import smoke as local_smoke
 from waltz.local.daemons import DaemonError
+from waltz.client.config import client_config
 from waltz.local.smoke import SmokeReport, SmokeSettings
 from waltz.local.zookeeper import ZooKeeperLaunchError
 from waltz.storage.index import FILE_HEADER_SIZE
@@ -33,6 +34,16 @@ def test_a_run_that_fails_is_one_line_naming_the_kept_logs(monkeypatch, capsys, 
     assert exited.value.code == 1
     assert capsys.readouterr().err == "waltz: error: smoke test did not finish: %s (logs kept in %s)\n" % (
         text, tmp_path)
+
+
+def test_a_timeout_past_a_day_bounds_the_clients_expiration_to_what_the_key_takes():
+    # A --timeout over a day passed the option check, then failed the client config mid-run.
+    config = local_smoke._client_config(_FakeCluster(), SmokeSettings(transactions=1, timeout=90_000))
+    assert client_config(config)["client.transactionExpiration"] == 86_400_000
+
+
+class _FakeCluster:
+    connect_string, root = "127.0.0.1:2181", "/smoke"
 
 
 def test_a_producer_timeout_says_how_far_the_producers_got():

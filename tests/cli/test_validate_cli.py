@@ -4,7 +4,8 @@ import pytest
 from twisted.internet import defer
 
 from tests.cli.helpers import refused, waltz
-from waltz.cli.client import _Validator, expiration_ms
+from waltz.cli.client import _Validator
+from waltz.config import expiration_ms
 
 
 @pytest.mark.timeout(300)

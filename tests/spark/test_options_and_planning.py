@@ -55,6 +55,8 @@ def test_the_connect_string_given_twice_must_agree():
     both = options(**{"zookeeper.connectString": "127.0.0.1:2181"})
     alone = parse_options({"zookeeper.connectString": "127.0.0.1:2182", "cluster.root": "/c"})
     assert both.zookeeper == "127.0.0.1:2181" and alone.zookeeper == "127.0.0.1:2182"
+    with pytest.raises(OptionError, match="option 'zookeeper': is empty"):     # was taken as not given
+        parse_options({"zookeeper": " ", "zookeeper.connectString": "127.0.0.1:2182", "cluster.root": "/c"})
 
 
 def test_a_negative_partition_key_is_named_as_such():

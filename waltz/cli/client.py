@@ -15,7 +15,7 @@ from twisted.internet import defer, task
 from waltz.cli.cluster import add_connection_options, connection_config, quiet_kazoo, run_reactor, within
 from waltz.cli.common import CliError, parse_partition_list, positive_int, positive_seconds
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks
-from waltz.config import MAX_MILLISECONDS
+from waltz.config import expiration_ms
 
 #: The keys of the ``-c`` file and flags (:func:`~waltz.cli.cluster.connection_config`) a Waltz client takes.
 _CLIENT_ZOOKEEPER_KEYS = ("zookeeper.connectString", "zookeeper.connectTimeout", "zookeeper.sessionTimeout",
@@ -122,12 +122,6 @@ class _NextId(TransactionContext):
         builder.set_transaction_data(b"%d" % (builder.client_high_water_mark + 1))
         builder.set_write_locks([("validate", self.partition)])
         return True
-
-
-def expiration_ms(timeout):
-    """``client.transactionExpiration`` for a run bounded by ``timeout`` seconds, within what the key
-    takes (``--timeout`` goes up to a year and down to a fraction of a millisecond; 0 means never)."""
-    return max(1, min(MAX_MILLISECONDS, round(timeout * 1000)))
 
 
 def validate(args):

@@ -11,7 +11,7 @@ import sqlite3
 import sys
 
 from waltz.cli.cluster import quiet_kazoo, run_reactor
-from waltz.cli.common import CliError, error_message, port, positive_int, positive_seconds
+from waltz.cli.common import CliError, error_message, port, positive_int, positive_seconds, znode_path
 from waltz.demo.runner import DemoSettings, InstanceError, load_run, run_demo
 from waltz.demo.checks import verify
 from waltz.local.daemons import DaemonError
@@ -78,7 +78,7 @@ def register(subparsers):
     parser.add_argument("--zookeeper-port", type=port, default=None,
                         help="ZooKeeper client port on 127.0.0.1 (default: the run directory's last one, else %d)"
                         % DEFAULT_ZOOKEEPER_PORT)
-    parser.add_argument("--root", default=DEFAULT_ROOT, help="cluster root znode (default %(default)s)")
+    parser.add_argument("--root", default=DEFAULT_ROOT, type=znode_path, help="cluster root znode (default %(default)s)")
     parser.add_argument("--instances", type=positive_int, default=3, help="application instances (default 3)")
     parser.add_argument("--accounts", type=positive_int, default=20, help="accounts (default 20)")
     parser.add_argument("--duration", type=positive_seconds, default=60.0, help="seconds of traffic (default 60)")

@@ -9,7 +9,7 @@ transaction id.
 
 from twisted.internet import defer, threads
 
-from waltz.cli.common import CliError, partition_count, port
+from waltz.cli.common import CliError, partition_count, port, znode_path
 from waltz.cli.cluster import quiet_kazoo, run_reactor
 from waltz.cli.storage import StorageNodeClient
 from waltz.local.daemons import DaemonError
@@ -134,7 +134,8 @@ def register(subparsers):
         sub.add_argument("--zookeeper-port", type=port, default=None,
                          help="ZooKeeper client port on 127.0.0.1 (default: the run directory's last one, "
                               "else %d)" % DEFAULT_ZOOKEEPER_PORT)
-        sub.add_argument("--root", default=DEFAULT_ROOT, help="cluster root znode (default %(default)s)")
+        sub.add_argument("--root", default=DEFAULT_ROOT, type=znode_path,
+                         help="cluster root znode (default %(default)s)")
         sub.add_argument("--partitions", type=partition_count, default=4,
                          help="partitions of a new cluster (default 4)")
         sub.set_defaults(func=func)

@@ -29,6 +29,7 @@ from twisted.internet import defer, task, threads
 from twisted.logger import Logger
 
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks
+from waltz.config import expiration_ms
 from waltz.local.cluster import LocalCluster
 from waltz.local.daemons import local_server
 from waltz.protocols.values import checksum
@@ -300,7 +301,7 @@ def _client_config(cluster, settings):
     return {"zookeeper.connectString": cluster.connect_string, "cluster.root": cluster.root,
             "zookeeper.sessionTimeout": 10000,
             "client.maxConcurrentTransactions": settings.inflight,
-            "client.transactionExpiration": int(settings.timeout * 1000)}
+            "client.transactionExpiration": expiration_ms(settings.timeout)}
 
 
 def _progress(progress, producers, settings, began):

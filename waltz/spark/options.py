@@ -138,7 +138,11 @@ def _connect_string(values):
     """``zookeeper``, or its client-config spelling ``zookeeper.connectString``; both given must agree (which
     of two different ensembles was meant cannot be guessed)."""
     given = {key: str(values[key]).strip() for key in ("zookeeper", "zookeeper.connectstring")
-             if values.get(key) is not None and str(values[key]).strip()}
+             if values.get(key) is not None}
+    for key, value in given.items():
+        if not value:
+            raise OptionError("zookeeper" if key == "zookeeper" else "zookeeper.connectString",
+                              "is empty (a ZooKeeper connect string such as 127.0.0.1:2181 is required)")
     if len(set(given.values())) > 1:
         raise OptionError("zookeeper", "is given twice, as zookeeper (%r) and as zookeeper.connectString (%r); "
                           "give one" % (given["zookeeper"], given["zookeeper.connectstring"]))
