@@ -7,7 +7,8 @@ accounts with ``--concurrency`` transactions in flight, and one deactivation at 
 random moment between 30 % and 70 % of the run.
 
 It talks to the demo runner (:mod:`waltz.demo.runner`) in JSON lines: on stdout it
-writes ``started`` (its database rebuilt from the log), ``progress`` (twice a
+writes ``catching_up`` (twice a second while it catches up with the log: how many
+transactions it has applied), ``started`` (its database rebuilt from the log), ``progress`` (twice a
 second), ``produced`` (the workload is over), ``finished`` and ``error`` events. On stdin
 it waits for the line ``go`` (every instance has started) before its workload, and for
 ``drain`` (every instance has stopped writing) after it; then it catches up with every partition's
@@ -153,13 +154,26 @@ class Workload:
             self._done.errback(failure)
 
 
+def applied_count(client):
+    """How many transactions ``client`` has applied, over every partition it follows."""
+    return sum(client.client_high_water_mark(p) + 1 for p in client.partitions)
+
+
 @defer.inlineCallbacks
-def catch_up(client):
-    """Wait until this instance has applied every partition up to its high-water mark; fires with the marks."""
-    marks = yield client.high_water_marks()
-    for partition_id, mark in sorted(marks.items()):
-        if mark >= 0:
-            yield client.when_applied(partition_id, mark)
+def catch_up(client, channel, clock):
+    """Wait until this instance has applied every partition up to its high-water mark, telling ``channel``
+    how far it got every PROGRESS_INTERVAL (the runner's deadline counts from the last progress); fires with
+    the marks."""
+    reporter = task.LoopingCall(lambda: channel.send("catching_up", applied=applied_count(client)))
+    reporter.clock = clock
+    reporter.start(PROGRESS_INTERVAL)
+    try:
+        marks = yield client.high_water_marks()
+        for partition_id, mark in sorted(marks.items()):
+            if mark >= 0:
+                yield client.when_applied(partition_id, mark)
+    finally:
+        reporter.stop()
     return marks
 
 
@@ -178,7 +192,7 @@ def run_instance(reactor, args, channel):
     try:
         yield client.when_started()
         # Rebuild the database from the log before making decisions on it.
-        marks = yield catch_up(client)
+        marks = yield catch_up(client, channel, reactor)
         tune_garbage_collector()
         channel.send("started", partitions=client.num_partitions, rebuilt=sum(m + 1 for m in marks.values()))
         yield channel.go                # every instance starts its workload at the same moment
@@ -189,7 +203,7 @@ def run_instance(reactor, args, channel):
         channel.send("produced", **attr.asdict(stats))
         yield channel.drain
         began = time.monotonic()
-        marks = yield catch_up(client)
+        marks = yield catch_up(client, channel, reactor)
         report = {"name": args.name, "committed": workload.committed, "stats": attr.asdict(stats),
                   "high_water_marks": {str(p): m for p, m in marks.items()},
                   "catch_up_seconds": round(time.monotonic() - began, 3)}

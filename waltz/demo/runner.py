@@ -43,7 +43,8 @@ class DemoSettings:
     faults: bool = True
     seed: int = 1
     progress_interval: float = 2.0
-    #: Seconds allowed for an instance to start (join the cluster) and, at the end, to catch up.
+    #: Seconds an instance may go without progress while it joins the cluster (rebuilding its database from
+    #: the whole log, which grows with every run) and, at the end, while it catches up.
     start_timeout: float = 120.0
     drain_timeout: float = 300.0
 
@@ -66,15 +67,22 @@ class InstanceError(RuntimeError):
 
 
 class InstanceProcess(protocol.ProcessProtocol):
-    """One instance process: its JSON-lines events on stdout, its stderr in its log file."""
+    """One instance process: its JSON-lines events on stdout, its stderr in its log file.
+
+    ``catching_up`` events (how many transactions it has applied while it catches up with the log) set
+    :attr:`progressed_at`, the ``clock`` time of the last one that showed more applied than the one before.
+    """
 
     EVENTS = ("started", "produced", "finished")
 
-    def __init__(self, name, log_path):
+    def __init__(self, name, log_path, clock):
         self.name = name
         self.log_path = log_path        # the process's stderr goes straight there (see _spawn)
+        self.clock = clock
         self.stats = {}
         self.started = {}
+        self.applied = -1
+        self.progressed_at = None
         self.error = None
         self.stray = collections.deque(maxlen=5)    # the last stdout lines that were not events
         self._buffer = b""
@@ -98,6 +106,12 @@ class InstanceProcess(protocol.ProcessProtocol):
         event = message.pop("event", None)
         if event == "error":
             self.error = message.get("message")
+            return
+        if event == "catching_up":
+            applied = message.get("applied")
+            if isinstance(applied, int) and applied > self.applied:
+                self.applied = applied
+                self.progressed_at = self.clock.seconds()
             return
         if event == "started":
             self.started = message
@@ -144,18 +158,44 @@ def _stopped_is_fine(failure):
     failure.trap(defer.CancelledError)
 
 
-def _with_timeout(reactor, d, seconds, what):
-    """``d``'s outcome, or :class:`InstanceError` saying ``what`` after ``seconds`` (``d`` goes on)."""
+def _with_timeout(reactor, d, seconds, what, progressed_at=None):
+    """``d``'s outcome, or :class:`InstanceError` saying ``what`` after ``seconds`` (``d`` goes on).
+
+    With ``progressed_at`` (a function giving the time of the last progress, or None) the deadline is
+    ``seconds`` after the later of the start and the last progress: work that takes long but keeps moving
+    (an instance rebuilding its database from a long log) is waited for; work that has stopped is not.
+    """
     outer = defer.Deferred()
-    expiry = reactor.callLater(seconds, lambda: outer.errback(InstanceError("%s within %.0f s" % (what, seconds))))
+    began = reactor.seconds()
+    expiry = None
+
+    def expire():
+        nonlocal expiry
+        last = progressed_at() if progressed_at is not None else None
+        remaining = max(began, last if last is not None else began) + seconds - reactor.seconds()
+        if remaining > 0:
+            expiry = reactor.callLater(remaining, expire)
+        elif progressed_at is None:
+            outer.errback(InstanceError("%s within %.0f s" % (what, seconds)))
+        else:
+            outer.errback(InstanceError("%s (no progress for %.0f s)" % (what, seconds)))
 
     def settle(result):
         if expiry.active():
             expiry.cancel()
             (outer.errback if isinstance(result, Failure) else outer.callback)(result)
         return None                 # after the expiry the outcome no longer matters
+    expiry = reactor.callLater(seconds, expire)
     d.addBoth(settle)
     return outer
+
+
+def _last_progress(instances):
+    """A function giving the time of the last progress any of ``instances`` reported (None: none yet)."""
+    def progressed_at():
+        times = [i.progressed_at for i in instances if i.progressed_at is not None]
+        return max(times) if times else None
+    return progressed_at
 
 
 class FaultPlan:
@@ -273,7 +313,7 @@ def prepare_run(cluster, instances):
 def _spawn(reactor, run_dir, index, first_account, settings):
     name = "instance-%d" % index
     directory = os.path.join(run_dir, name)
-    process = InstanceProcess(name, os.path.join(directory, "instance.log"))
+    process = InstanceProcess(name, os.path.join(directory, "instance.log"), reactor)
     argv = [sys.executable, "-m", "waltz.demo.instance", "--name", name,
             "--config", os.path.join(run_dir, "client.yaml"),
             "--db", os.path.join(directory, "bank.db"), "--report", os.path.join(directory, "report.json"),
@@ -306,7 +346,7 @@ def run_demo(reactor, cluster, settings=DemoSettings(), say=print):
     began = time.monotonic()
     try:
         yield _with_timeout(reactor, _all([i.events["started"] for i in instances]), settings.start_timeout,
-                            "the instances did not all join the cluster")
+                            "the instances did not all join the cluster", _last_progress(instances))
         say("demo: every instance has joined the cluster and rebuilt its database from the log (%d transactions)"
             % instances[0].started["rebuilt"])
         progress = yield _traffic(reactor, instances, faults, settings, say)
@@ -315,7 +355,7 @@ def run_demo(reactor, cluster, settings=DemoSettings(), say=print):
         for instance in instances:
             instance.command("drain")
         yield _with_timeout(reactor, _all([i.events["finished"] for i in instances]), settings.drain_timeout,
-                            "the instances did not all catch up")
+                            "the instances did not all catch up", _last_progress(instances))
         codes = yield _with_timeout(reactor, _all([i.ended for i in instances]), EXIT_TIMEOUT,
                                     "the instances did not all exit")
         for instance, code in zip(instances, codes):
