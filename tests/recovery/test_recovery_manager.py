@@ -4,7 +4,7 @@ from twisted.internet import defer
 from twisted.internet.task import Clock
 
 from tests.server.store.test_store_session import DummyMetadata, DummyReplica, records
-from waltz.recovery.manager import RecoveryAborted, RecoveryManager, electorate_of
+from waltz.recovery.manager import RecoveryAborted, RecoveryManager, SessionFenced, electorate_of
 from waltz.zk.znodes import UNRESOLVED, PartitionMetadata, ReplicaId, ReplicaState
 
 FIVE = ("a:1", "b:1", "c:1", "d:1", "e:1")
@@ -275,3 +275,42 @@ def test_a_raise_that_failed_half_way_goes_on_from_what_the_replica_holds():
     assert result.called and result.result.high_water_mark == 10
     assert appended == [(6, 7, 8), (9, 10)]
     assert [r.transaction_id for r in logs["c:1"]] == list(range(11))
+
+
+def refusing_members(metadata):
+    """Session 2's recovery over a, b, c, whose storages refuse every request of session 2."""
+    replicas = {s: DummyReplica(s, 2, records(0, 5)) for s in ("a:1", "b:1", "c:1")}
+    for replica in replicas.values():
+        replica.last_session_info = lambda: defer.fail(RuntimeError("session 2 is fenced: partition 0 is in session 3"))
+    return RecoveryManager(0, metadata_with(*((s, 1, UNRESOLVED) for s in replicas)), replicas, metadata, Clock(),
+                           retry_interval=0.5)
+
+
+def test_a_recovery_fenced_by_a_newer_session_stops_instead_of_retrying_forever():
+    # Another server took the partition over (session 3) before this recovery's first request reached the
+    # storages: they refuse session 2 from then on, and its steps never get to the metadata write.
+    metadata = DummyMetadata()
+    metadata.value = PartitionMetadata(2, 3, ())
+    manager = refusing_members(metadata)
+    result = manager.run()
+    assert result.called and isinstance(result.result.value, SessionFenced)
+    assert "partition 0 is in session 3" in str(result.result.value)
+    assert set(manager.replica_states().values()) == {"abandoned"}
+    assert manager.reactor.getDelayedCalls() == []
+    result.addErrback(lambda f: None)
+
+
+def test_a_refused_step_is_retried_while_the_session_is_still_current_or_the_metadata_unreadable():
+    metadata = DummyMetadata()
+    metadata.value = metadata_with()                      # session 2: still this recovery's own
+    manager = refusing_members(metadata)
+    result = manager.run()
+    manager.reactor.advance(0.5)
+    assert not result.called and set(manager.replica_states().values()) == {"reading-session-info"}
+    metadata.read = lambda partition_id: defer.fail(ConnectionError("ZooKeeper connection lost"))
+    manager.reactor.advance(0.5)
+    assert not result.called and manager.reactor.getDelayedCalls()
+    metadata.read = lambda partition_id: defer.succeed(PartitionMetadata(2, 3, ()))
+    manager.reactor.advance(0.5)                          # the next refusal reads again, and finds session 3
+    assert result.called and isinstance(result.result.value, SessionFenced)
+    result.addErrback(lambda f: None)

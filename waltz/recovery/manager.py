@@ -303,6 +303,7 @@ class ReplicaRecovery:
                       pid=self.manager.partition_id, storage=self.storage, state=self.state.value,
                       reason=failure.getErrorMessage())
         self._retry = self.manager.reactor.callLater(self.manager.retry_interval, self._retry_now)
+        self.manager.check_fenced()
 
     def _retry_now(self):
         self._retry = None
@@ -358,6 +359,7 @@ class RecoveryManager:
         self._usher_timer = None
         self._raise_timer = None
         self._rebinding = set()     # storages of voters waiting for their connection to bind again
+        self._fence_check = None    # the metadata read of check_fenced, while it runs
 
     # -- states -------------------------------------------------------------------------------
 
@@ -394,15 +396,16 @@ class RecoveryManager:
             recovery.start()
         return self._complete
 
-    def stop(self, reason="session closed"):
-        """Abandon recovery (the session closed); replicas stop at their next step."""
+    def stop(self, reason="session closed", error=RecoveryAborted):
+        """Abandon recovery (the session closed); replicas stop at their next step. The recovery fails with
+        ``error`` (a :class:`RecoveryAborted`)."""
         if self.stopped:
             return
         self.stopped = True
         self._cancel_usher_timer()
         self._cancel_raise_timer()
-        failure = RecoveryAborted("recovery of partition %d session %d stopped: %s"
-                                  % (self.partition_id, self.session_id, reason))
+        failure = error("recovery of partition %d session %d stopped: %s"
+                        % (self.partition_id, self.session_id, reason))
         waiters = self._usher_waiters + self._resolution_waiters
         self._usher_waiters, self._resolution_waiters = [], []
         for waiter in waiters:
@@ -410,6 +413,32 @@ class RecoveryManager:
         for recovery in self.recoveries.values():
             recovery.stop(failure)
         self._fail(failure)
+
+    def check_fenced(self):
+        """A replica's step failed: read the partition metadata (one read at a time) and stop with
+        :class:`SessionFenced` if it names a newer session.
+
+        Storages refuse a session once a newer one has reached them (a server that took the partition
+        over). Nothing else in recovery would notice before its metadata write, which the refused steps
+        never reach: the replicas would retry forever and the appends queued on the session never end.
+        """
+        if self.stopped or self._fence_check is not None:
+            return
+        self._fence_check = d = defer.maybeDeferred(self.metadata_store.read, self.partition_id)
+        d.addCallbacks(self._fence_checked, self._fence_check_failed)
+
+    def _fence_checked(self, current):
+        self._fence_check = None
+        if current.session_id > self.session_id and not self.stopped:
+            self.log.warn("partition {pid}: session {newer} took the partition over from recovering session "
+                          "{sid}; recovery stops", pid=self.partition_id, newer=current.session_id,
+                          sid=self.session_id)
+            self.stop("partition %d is in session %d" % (self.partition_id, current.session_id), SessionFenced)
+
+    def _fence_check_failed(self, failure):
+        self._fence_check = None    # (ZooKeeper unreachable: the next failed step checks again)
+        self.log.info("partition {pid}: could not read the metadata to check session {sid} is current: {reason}",
+                      pid=self.partition_id, sid=self.session_id, reason=failure.getErrorMessage())
 
     def _fail(self, failure):
         if not self._complete.called:
