@@ -985,6 +985,37 @@ def test_a_read_asks_again_when_the_server_cannot_read_right_now_and_fails_when_
     assert failures and "no replica" in failures[0].getErrorMessage()
 
 
+def test_a_batch_told_to_try_again_later_waits_its_delay_while_other_batches_are_answered(harness):
+    # The answers to the other batches send what is queued: the refused batch must not be in the queue,
+    # or it spends its retries within milliseconds of each other, and the read fails.
+    for txn in range(4000):                          # four batches of 1,000 transactions
+        harness.logs.commit(0, ReqId(99, 1, 0, txn), 0, b"x")
+    harness.network.flush()
+    server = harness.server_a
+    answer = server.on_TransactionDataBatchRequest
+    asked = []
+
+    def on_batch_request(proto, message):
+        first = message.transaction_ids[0]
+        asked.append((harness.clock.seconds(), first))
+        if first == 0 and harness.clock.seconds() < 0.3:     # its range cannot be read for 0.3 s
+            proto.sendMessage(m.TransactionDataBatchResponse.failure(
+                message.req_id, "reading transactions of partition 0 failed (try again later): timeout"))
+        elif first == 0:
+            answer(proto, message)
+        else:                                        # the others are answered 10 ms apart
+            delay = 0.01 * sum(1 for _, f in asked if f != 0)
+            harness.clock.callLater(delay, lambda: (answer(proto, message), harness.network.flush()))
+    server.on_TransactionDataBatchRequest = on_batch_request
+    client = harness.client(**{"client.autoMount": False, "client.maxDataFetchRetries": 2})
+    d = client.read_transactions(0, 0, 3999, committed=True)
+    harness.settle()
+    for _ in range(100):
+        harness.settle(0.01)
+    assert [when for when, first in asked if first == 0] == pytest.approx([0.0, 0.5])   # client.mountRetryInterval
+    assert len(outcome(d)) == 4000
+
+
 def test_bad_checksums_are_counted_per_record_in_a_batched_read(harness):
     # Each of several records failing once is no reason to give up: the limit is per record.
     for header in range(8):

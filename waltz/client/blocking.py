@@ -233,7 +233,9 @@ class BlockingWaltzClient:
 
     ``threaded_callbacks``: run the callbacks in a worker thread (default: unless the
     callbacks say ``runs_on_reactor = True``). ``timeout`` (seconds, None: wait forever)
-    bounds every call, including the start-up. Other keyword arguments go to ``WaltzClient``.
+    bounds every call, including the client's start-up; a start-up that fails is then closed, which is
+    bounded by ``timeout`` again, and starting the reactor thread (when none runs) by 30 s. Other keyword
+    arguments go to ``WaltzClient``.
     """
 
     def __init__(self, callbacks, config, reactor=None, *, timeout=60.0, threaded_callbacks=None, **client_kwargs):

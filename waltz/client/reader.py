@@ -101,11 +101,12 @@ class FeedRead:
         self._records = []
         self._unbatched = []                    # indexes of kept records not yet in a batch
         self._batches = collections.deque()     # batches waiting to be sent
+        self._delayed = []                      # (when, batch): answered RETRY_LATER, sent again at ``when``
         self._in_flight = {}                    # req id -> batch sent on the current connection
         self._location = None
         self._conn = None
         self._mount_req_id = None
-        self._retry_call = None     # asks again after RETRY_LATER
+        self._retry_call = None     # moves the delayed batches due back to the queue
         self._remount_call = None   # looks the partition up again after NOT_READY / not served
         self._result = defer.Deferred(self._cancelled)
 
@@ -292,19 +293,40 @@ class FeedRead:
             self._remount_later()
         elif m.is_retry_later(error) and batch.refusals < self._settings.max_data_fetch_retries:
             batch = attr.evolve(batch, refusals=batch.refusals + 1)
-            self._batches.appendleft(batch)
             delay = self._settings.retry_later_delay(batch.refusals)
             log.info("partition {pid}: data request answered {error!r}; asking again in {delay} s",
                      pid=self.partition_id, error=error, delay=delay)
-            if self._retry_call is None and self._remount_call is None:   # a remount sends them itself
-                self._retry_call = self._reactor.callLater(delay, self._send_later)
+            if self._remount_call is not None:
+                self._batches.appendleft(batch)     # a remount sends the waiting batches itself
+            else:
+                # Not back in the queue: every answer to another batch sends what the queue holds.
+                self._delayed.append((self._reactor.seconds() + delay, batch))
+                self._arm_retry()
         else:
             self._fail(TransactionDataError("partition %d: %s" % (self.partition_id, error)))
 
+    def _arm_retry(self):
+        """Time the retry for the earliest delayed batch."""
+        if not self._delayed:
+            return
+        due = min(when for when, _ in self._delayed)
+        call = self._retry_call
+        if call is not None:
+            if call.getTime() <= due:
+                return
+            call.cancel()
+        self._retry_call = self._reactor.callLater(max(0.0, due - self._reactor.seconds()), self._send_later)
+
     def _send_later(self):
         self._retry_call = None
-        if not self.ended:
-            self._send_batches()
+        if self.ended:
+            return
+        now = self._reactor.seconds()
+        due = [batch for when, batch in self._delayed if when <= now]
+        self._delayed = [(when, batch) for when, batch in self._delayed if when > now]
+        self._batches.extendleft(reversed(due))
+        self._arm_retry()
+        self._send_batches()
 
     def _txn_at(self, index):
         kept = self._records[index]
@@ -371,7 +393,8 @@ class FeedRead:
         self._check_done()
 
     def _check_done(self):
-        if self.state is ReadState.FINISHING and not (self._batches or self._in_flight or self._unbatched):
+        if self.state is ReadState.FINISHING and not (self._batches or self._delayed or self._in_flight
+                                                      or self._unbatched):
             self._close_connection()
             self._set_state(ReadState.DONE)
             self._result.callback(list(self._records))
@@ -385,10 +408,14 @@ class FeedRead:
         self._result.errback(reason)
 
     def cancel_timers(self):
+        """Cancel the retry and remount timers; the delayed batches go back to the queue (whoever cancels
+        sends it: a remount, or nobody once the read has ended)."""
         for call in (self._retry_call, self._remount_call):
             if call is not None and call.active():
                 call.cancel()
         self._retry_call = self._remount_call = None
+        self._batches.extendleft(reversed([batch for _, batch in self._delayed]))
+        self._delayed = []
 
     def abort(self, error):
         """Stop the read (the client is closing)."""
