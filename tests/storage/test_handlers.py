@@ -12,6 +12,7 @@ from waltz.protocols import storage_messages as sm
 from waltz.protocols.framing import Hello, encode_frame
 from waltz.protocols.read_gate import MAX_READS_IN_FLIGHT
 from waltz.protocols.values import Record, ReqId
+from waltz.storage.errors import ControlFileMismatch
 from waltz.storage.handlers import AdminServerProtocol, StorageServerProtocol
 from waltz.storage.node import StorageMetrics
 
@@ -27,7 +28,8 @@ class StubNode:
         self.held = []
 
     def check_open(self, key, partitions):
-        assert (key, partitions) == (KEY, 4)
+        if (key, partitions) != (KEY, 4):
+            raise ControlFileMismatch("this node belongs to cluster %s with 4 partitions" % KEY)
 
     def partition(self, pid):
         return self
@@ -98,3 +100,13 @@ def test_appends_are_not_held_by_the_read_gate():
                                 for seq in range(MAX_READS_IN_FLIGHT + 5)))
     proto.dataReceived(frame(sm.STORAGE_CODEC, sm.AppendRequest(1, 99, 0, RECORDS, False)))
     assert isinstance(node.held[-1][1], sm.AppendRequest) and len(node.held) == MAX_READS_IN_FLIGHT + 1
+
+
+def test_a_failed_open_request_leaves_even_an_opened_connection_unopened():
+    # protocol.md: after a failed OpenRequest the connection stays open but unopened.
+    node, proto, transport = opened(StorageServerProtocol, sm.STORAGE_CODEC, sm.OpenRequest.create(KEY, 4))
+    proto.dataReceived(frame(sm.STORAGE_CODEC, sm.OpenRequest.create(uuid.UUID(int=8), 9)))
+    assert not proto.opened and transport.value() and transport.connected
+    transport.clear()
+    proto.dataReceived(frame(sm.STORAGE_CODEC, sm.MaxTransactionIdRequest(1, 0, 0, False)))
+    assert transport.disconnecting and not node.held     # a request before a (successful) open

@@ -556,3 +556,21 @@ def test_behaves_like_a_list(ops):
     finally:
         log.close()
         shutil.rmtree(directory)
+
+
+def test_header_reads_keep_only_headers_and_read_data_a_chunk_at_a_time(log, monkeypatch):
+    # A header is 28 bytes on the wire; reading 1,000 records of 15 MiB at once to answer it took 30 GB.
+    log.append(make_records(0, 10, size=100))
+    expected = [record.record_header for record in log.read_records(0, 10)]
+    reads, read_records = [], log.read_records
+
+    def spying_read_records(transaction_id, max_count, max_bytes=None):
+        records = read_records(transaction_id, max_count, max_bytes)
+        reads.append((max_bytes, len(records)))
+        return records
+    monkeypatch.setattr(log, "read_records", spying_read_records)
+    assert log.read_headers(0, 10, chunk_bytes=250) == expected
+    assert reads and all(max_bytes == 250 and count <= 3 for max_bytes, count in reads if count)
+    reads.clear()
+    assert log.read_headers(4, 1000) == expected[4:]
+    assert all(max_bytes is not None for max_bytes, _ in reads)

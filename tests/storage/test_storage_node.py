@@ -250,6 +250,32 @@ async def test_a_failed_fdatasync_fails_the_partition_for_good_and_says_so(harne
     assert harness.node.assigned_status() == ((0, False), (1, True))
 
 
+def files_open_under(path):
+    """How many of this process's file descriptors are open on files under ``path``."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink("/proc/self/fd/" + fd).startswith(path)
+        except OSError:
+            pass
+    return count
+
+
+@pytest_twisted.ensureDeferred
+async def test_closing_a_partition_whose_sync_failed_closes_its_files(harness, monkeypatch):
+    await assign(harness, 0)
+    s = await harness.connect()
+    await s.request(sm.AppendRequest(1, 0, 0, records(0, 3), False))
+    partition_dir = os.path.join(harness.node.directory, "0")
+    assert files_open_under(partition_dir) > 0
+    monkeypatch.setattr(segment_module, "datasync", failing_datasync)
+    with pytest.raises(RemoteError, match="Input/output error"):
+        await s.request(sm.AppendRequest(1, 0, 0, records(3, 2), False))
+    monkeypatch.undo()
+    await harness.node.assign([0], False)
+    assert files_open_under(partition_dir) == 0
+
+
 @pytest_twisted.ensureDeferred
 async def test_a_sync_failing_inside_an_append_stops_the_partition_reporting_its_end(harness, monkeypatch):
     # The sync that fails is the one before a segment roll, inside the append: the records written

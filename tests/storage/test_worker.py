@@ -110,6 +110,44 @@ async def test_failed_sync_fails_its_writes_and_every_later_job(worker, disk):
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_cleanup_job_runs_even_after_a_failed_sync(worker, disk):
+    # Closing a partition whose sync failed must still close its files (they stayed open until the
+    # process exited, and a reassignment opened a second log on the same files).
+    disk.fail_sync = True
+    with pytest.raises(OSError):
+        await worker.submit_write(disk.write, 1)
+    assert await worker.submit_cleanup(disk.read, "close") == "close"
+    assert disk.events[-1] == ("read", "close")
+
+
+class ReactorCallsHeld:
+    """Keeps what threads ask the reactor to call until :meth:`run` (a reactor busy elsewhere)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def callFromThread(self, function, *args):
+        self.calls.append((function, args))
+
+    def run(self):
+        for function, args in self.calls:
+            function(*args)
+
+
+def test_stopping_a_worker_after_its_thread_ended_fires_once():
+    worker = PartitionWorker("p0", ReactorCallsHeld(), lambda: None)
+    assert worker.stop().called                  # never started: nothing to wait for
+    held = ReactorCallsHeld()
+    worker = PartitionWorker("p1", held, lambda: None)
+    worker.start()
+    stopped = worker.stop()
+    worker._thread.join(10)
+    assert worker.stop() is stopped and not stopped.called     # its thread's notice is still on its way
+    held.run()                                   # (fired it a second time: AlreadyCalledError)
+    assert stopped.called
+
+
+@pytest_twisted.ensureDeferred
 async def test_an_append_written_before_a_failed_fdatasync_is_never_acknowledged(tmp_path, monkeypatch):
     log = open_log(tmp_path)
     log.append(make_records(0, 996))

@@ -65,6 +65,7 @@ class _RequestServerProtocol(WaltzProtocol):
         return d
 
     def _open(self, message):
+        self.opened = False     # a failed open leaves the connection unopened, even one opened before
         self.node.check_open(message.cluster_key, message.num_partitions)
         self.opened = True
         return self.success(message)

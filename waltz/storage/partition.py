@@ -245,6 +245,6 @@ class StoragePartition:
         def close_log():
             if self.log is not None:
                 self.log.close()
-        d = self.worker.submit(close_log)
+        d = self.worker.submit_cleanup(close_log)
         d.addBoth(lambda _: self.worker.stop())
         return d

@@ -30,6 +30,9 @@ from waltz.storage.segment import (
     RECORD_OVERHEAD, Segment, encode_record, list_segments, remove_segment_files, remove_stray_files,
 )
 
+#: Data read at a time by :meth:`PartitionLog.read_headers` (the first record of each read may exceed it).
+HEADER_READ_CHUNK_BYTES = 8 * 1024 * 1024
+
 
 def _final_on_sync_failure(method):
     """A :class:`SyncFailed` raised by ``method`` fails every later use of the log (see SyncFailed)."""
@@ -347,9 +350,20 @@ class PartitionLog:
         records = self.read_records(transaction_id, 1)
         return records[0] if records else None
 
-    def read_headers(self, transaction_id: int, max_count: int) -> list:
-        """Like :meth:`read_records` but only the :class:`RecordHeader` of each (CRC-checked too)."""
-        return [record.record_header for record in self.read_records(transaction_id, max_count)]
+    def read_headers(self, transaction_id: int, max_count: int, chunk_bytes: int = HEADER_READ_CHUNK_BYTES) -> list:
+        """Like :meth:`read_records` but only the :class:`RecordHeader` of each (CRC-checked too).
+
+        The records are read about ``chunk_bytes`` of data at a time and only their headers are kept, so the
+        memory a read takes does not grow with the size of the transactions (a header is 28 bytes on the
+        wire, a record's data up to 15 MiB).
+        """
+        headers = []
+        while len(headers) < max_count:
+            records = self.read_records(transaction_id + len(headers), max_count - len(headers), chunk_bytes)
+            if not records:
+                break
+            headers.extend(record.record_header for record in records)
+        return headers
 
     def read_header(self, transaction_id: int):
         """The :class:`RecordHeader` of ``transaction_id``, or None."""
@@ -389,7 +403,8 @@ class PartitionLog:
     # -- closing -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Sync and close every open segment (idempotent)."""
+        """Sync and close every open segment (idempotent). After a failed sync nothing is synced: the files
+        are only closed (a later fdatasync can succeed on pages whose writeback failed)."""
         if self._closed:
             return
         self._closed = True
@@ -399,7 +414,10 @@ class PartitionLog:
         errors = []
         for segment in segments:
             try:
-                segment.close()
+                if self._sync_failure is not None:
+                    segment.close_without_sync()
+                else:
+                    segment.close()
             except (OSError, StorageError) as exc:
                 errors.append(exc)
         if errors:

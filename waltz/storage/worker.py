@@ -32,12 +32,13 @@ class WorkerStopped(Exception):
 
 
 class _Job:
-    __slots__ = ("fn", "args", "is_write", "deferred")
+    __slots__ = ("fn", "args", "is_write", "after_failure", "deferred")
 
-    def __init__(self, fn, args, is_write):
+    def __init__(self, fn, args, is_write, after_failure=False):
         self.fn = fn
         self.args = args
         self.is_write = is_write
+        self.after_failure = after_failure
         self.deferred = defer.Deferred()
 
 
@@ -73,6 +74,11 @@ class PartitionWorker:
         """Run ``fn(*args)`` after every earlier job; fires with its result."""
         return self._enqueue(_Job(fn, args, False))
 
+    def submit_cleanup(self, fn, *args) -> defer.Deferred:
+        """Like :meth:`submit`, but ``fn`` runs even after a failed sync (closing files, which must not
+        stay open however the worker ended)."""
+        return self._enqueue(_Job(fn, args, False, after_failure=True))
+
     def submit_write(self, fn, *args) -> defer.Deferred:
         """Run ``fn(*args)`` in order; fires with its result once a sync made it durable."""
         return self._enqueue(_Job(fn, args, True))
@@ -94,9 +100,13 @@ class PartitionWorker:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if not self._thread.is_alive() and not self._stopped.called:
-            self._stopped.callback(None)
+        if self._thread.ident is None:      # never started: no thread will say it ended
+            self._fire_stopped()
         return self._stopped
+
+    def _fire_stopped(self):
+        if not self._stopped.called:
+            self._stopped.callback(None)
 
     # -- the worker thread ---------------------------------------------------------
 
@@ -112,7 +122,7 @@ class PartitionWorker:
                     self._queue.clear()
                 self._run_batch(batch)
         finally:
-            self._reactor.callFromThread(self._stopped.callback, None)
+            self._reactor.callFromThread(self._fire_stopped)
 
     def _run_batch(self, batch):
         results = []        # (deferred, result-or-Failure), delivered together
@@ -135,7 +145,7 @@ class PartitionWorker:
         self._reactor.callFromThread(self._deliver, results, commits)
 
     def _call(self, job):
-        if self._failure is not None:
+        if self._failure is not None and not job.after_failure:
             return Failure(WorkerFailed("disk worker of %s failed earlier: %s" % (self.name, self._failure)))
         try:
             return job.fn(*job.args)
