@@ -631,6 +631,26 @@ def test_unanswered_probes_give_the_partitions_up_while_still_connected_and_a_fr
     membership.stop()
 
 
+def test_a_server_holding_nothing_takes_no_partition_on_once_its_contact_is_older_than_the_give_up_time():
+    # Connected to a follower cut off from the leader, holding nothing yet (just joined): reads through
+    # that follower still succeed, and the assignment they give is stale (the leader expired the session).
+    clock, reports = Clock(), []
+    cluster = _OneSessionCluster(_assignment())
+    membership = _member_of(cluster, clock, reports)
+    membership.partitions = {}
+    membership._contact(clock.seconds())
+    clock.advance(membership.give_up_after)             # no probe answered since (none ran yet)
+    membership.request_reconcile()
+    cluster.descriptor_reads.pop().callback(_descriptors(111))
+    assert membership.partitions == {} and reports == []
+    assert membership.given_up_while_connected is not None
+    membership._probe()
+    cluster.syncs[-1].callback("/c")                    # the leader answers: the assignment applies
+    cluster.descriptor_reads.pop().callback(_descriptors(111))
+    assert membership.partitions == {0: 5, 1: 5} and reports == [{0: 5, 1: 5}]
+    membership.stop()
+
+
 def test_health_reports_partitions_given_up_for_unanswered_probes_until_a_probe_is_answered():
     from types import SimpleNamespace
 
@@ -653,7 +673,7 @@ def test_health_reports_partitions_given_up_for_unanswered_probes_until_a_probe_
     assert reports == [{}]
     # Before: healthy, although the server held nothing and its clients got NOT_READY.
     [problem] = service.problems()
-    assert problem.startswith("partitions given up: no ZooKeeper probe answered")
+    assert problem.startswith("partitions given up (none taken on): no ZooKeeper probe answered")
     clock.advance(membership.probe_interval)
     cluster.syncs[-1].callback("/c")                    # a fresh answer
     assert service.problems() == []

@@ -91,11 +91,13 @@ def test_cluster_params_round_trip(name, partitions):
 
 
 @given(st.dictionaries(storages, st.lists(st.integers(0, 100), max_size=10)),
-       st.dictionaries(storages, i32), st.dictionaries(st.integers(0, 50), st.lists(
-           st.builds(PartitionInfo, st.integers(0, 100), i32), max_size=5)))
-def test_maps_round_trip(assignments, groups, servers):
+       st.dictionaries(storages, i32), st.dictionaries(st.integers(0, 99), st.tuples(st.integers(0, 50), i32)))
+def test_maps_round_trip(assignments, groups, holders):
+    servers = {}
+    for partition_id, (server_id, generation) in holders.items():     # each partition held once
+        servers.setdefault(server_id, []).append(PartitionInfo(partition_id, generation))
     for value in (ReplicaAssignments(assignments), GroupDescriptor(groups), ConnectionMetadata(groups),
-                  PartitionAssignment(3, 10, servers)):
+                  PartitionAssignment(3, 100, servers)):
         assert type(value).decode(value.encode()) == value
 
 
@@ -106,6 +108,13 @@ def test_maps_round_trip(assignments, groups, servers):
     (PartitionMetadata, "01" "00000001" "0000000000000001" "7fffffff", "bad replica state count"),
     (StoreParams, "01" "00112233445566778899aabbccddeeff" "00000003" "00", "1 unexpected trailing bytes"),
     (PartitionAssignment, "01" "ffffffff" "00000000" "00000000", "unsupported version 1 (expected 3)"),
+    # Two holders of one partition would both serve it at the same generation.
+    (PartitionAssignment, "03" "00000001" "00000002" "00000002" "00000001" "00000001" "00000000" "00000003"
+     "00000002" "00000001" "00000000" "00000003", "partition 0 is assigned twice"),
+    (PartitionAssignment, "03" "00000001" "00000002" "00000001" "00000001" "00000001" "ffffffff" "00000003",
+     "partition -1 of server 1 is not one of the 2 partitions"),
+    (PartitionAssignment, "03" "00000001" "00000002" "00000002" "00000001" "00000000" "00000001" "00000000",
+     "server 1 is listed twice"),
     (ReplicaAssignments, "", "is empty"),
 ])
 def test_garbage_raises_a_clear_error_naming_the_znode(cls, data, message):

@@ -339,19 +339,20 @@ class ServerMembership:
         connection is up: a follower cut off from the leader keeps answering pings (kazoo stays connected)
         while the leader, which expires sessions, hears nothing. (Disconnected, the timer armed on
         SUSPENDED does it; a give-up of that timer that raised is tried again here.) Checked at each
-        probe, so up to T/6 late: still before T."""
-        holding = self.partitions or self._holding_unknown
-        if self._last_contact is None or not holding:
+        probe, so up to T/6 late: still before T, and before adopting an assignment: a server holding
+        nothing when its contact went stale must not take partitions on through that follower either."""
+        if self._last_contact is None:
             return
         silent = self.reactor.seconds() - self._last_contact
         if not self.cluster.zk.connected:
-            if self._disconnected_call is None and silent >= self.give_up_after:
+            holding = self.partitions or self._holding_unknown
+            if holding and self._disconnected_call is None and silent >= self.give_up_after:
                 self._disconnected_too_long()
             return
         if silent >= self.give_up_after:
-            self.given_up_while_connected = ("partitions given up: no ZooKeeper probe answered for %.1f s "
-                                             "although connected (the leader may not hear from this session)"
-                                             % silent)
+            self.given_up_while_connected = ("partitions given up (none taken on): no ZooKeeper probe answered "
+                                             "for %.1f s although connected (the leader may not hear from this "
+                                             "session)" % silent)
             self._give_up_partitions(self.given_up_while_connected)
 
     def _contact(self, sent):
@@ -558,6 +559,7 @@ class ServerMembership:
 
     def _adopt(self, assignment):
         self.assignment = assignment
+        self._check_contact()
         if self.given_up_while_connected is not None:
             return      # read through a follower the leader may not hear: nothing until a probe is answered
         mine = partitions_of(assignment, self.server_id)

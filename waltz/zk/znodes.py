@@ -138,11 +138,22 @@ class PartitionAssignment(_Codec):
         inp.version(cls.VERSION)
         cversion = inp.int("cversion")
         num_partitions = inp.int("numPartitions")
-        servers = {}
+        servers, held = {}, set()
         for _ in range(inp.count("server", 8)):
             server_id = inp.int("serverId")
-            servers[server_id] = tuple(PartitionInfo(inp.int("partitionId"), inp.int("generation"))
-                                       for _ in range(inp.count("partition", 8)))
+            if server_id in servers:
+                raise EncodingError("server %d is listed twice" % server_id)
+            infos = tuple(PartitionInfo(inp.int("partitionId"), inp.int("generation"))
+                          for _ in range(inp.count("partition", 8)))
+            for info in infos:
+                # Two holders of one partition would both serve it at the same generation.
+                if not 0 <= info.partition_id < num_partitions:
+                    raise EncodingError("partition %d of server %d is not one of the %d partitions"
+                                        % (info.partition_id, server_id, num_partitions))
+                if info.partition_id in held:
+                    raise EncodingError("partition %d is assigned twice" % info.partition_id)
+                held.add(info.partition_id)
+            servers[server_id] = infos
         return cls(cversion, num_partitions, servers)
 
 
