@@ -119,7 +119,7 @@ def test_list_reports_partitions_status_and_unreachable_nodes(add_node, cluster)
 
 
 @pytest_twisted.ensureDeferred
-async def test_sync_partitions_pushes_the_zookeeper_assignment(add_node, cluster, clients):
+async def test_sync_partitions_pushes_the_zookeeper_assignment(add_node, cluster, clients, cluster_root, zk_client):
     a = add_node("a", partitions="0-3")
     b = add_node("b", partitions="2-3")
     admin_b = await clients.admin(b.daemon)
@@ -138,6 +138,21 @@ async def test_sync_partitions_pushes_the_zookeeper_assignment(add_node, cluster
     assert os.path.isdir(b.partition_dir(3))
     assert await cli("storage", "sync-partitions", *cluster) == "".join(sorted(
         ["%s: in sync (partitions 0-3)\n" % a.storage, "%s: in sync (partitions 2)\n" % b.storage]))
+
+    # A partition whose last store session still counts the node's replica stays on the node: the next
+    # session's recovery asks it for its vote (unassigned there, it could not answer, and the vote could wait
+    # for ever). Once a session went on without it, the next sync unassigns it.
+    await cli("cluster", "unassign", "--storage", b.storage, "--partitions", "2", *cluster)
+    metadata = ClusterMetadata(zk_client, cluster_root)
+    member = ReplicaState(ReplicaId(2, b.storage), 3, UNRESOLVED)
+    await metadata.update_partition_metadata(2, lambda m: PartitionMetadata(1, 3, (member,)))
+    assert await cli("storage", "sync-partitions", "--storage", b.storage, *cluster) == (
+        "%s: kept 2: their last store session still counts this replica, and the next one needs its vote; run "
+        "sync-partitions again once a server has opened a new session of each\n" % b.storage)
+    assert await node_status(clients, b) == ((2, True),)
+    await metadata.update_partition_metadata(2, lambda m: PartitionMetadata(1, 4, ()))
+    assert await cli("storage", "sync-partitions", "--storage", b.storage, *cluster) == (
+        "%s: unassigned 2 (files kept)\n" % b.storage)
 
 
 def test_sync_partitions_reports_an_unreachable_node_and_syncs_the_others(add_node, cluster):

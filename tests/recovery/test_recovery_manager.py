@@ -4,7 +4,7 @@ from twisted.internet import defer
 from twisted.internet.task import Clock
 
 from tests.server.store.test_store_session import DummyMetadata, DummyReplica, records
-from waltz.recovery.manager import RecoveryAborted, RecoveryManager, SessionFenced, electorate_of
+from waltz.recovery.manager import RecoveryAborted, RecoveryManager, SessionFenced, departing_voters, electorate_of
 from waltz.zk.znodes import UNRESOLVED, PartitionMetadata, ReplicaId, ReplicaState
 
 FIVE = ("a:1", "b:1", "c:1", "d:1", "e:1")
@@ -314,3 +314,81 @@ def test_a_refused_step_is_retried_while_the_session_is_still_current_or_the_met
     manager.reactor.advance(0.5)                          # the next refusal reads again, and finds session 3
     assert result.called and isinstance(result.result.value, SessionFenced)
     result.addErrback(lambda f: None)
+
+
+# --- departing voters: members of the last session that the assignment dropped ----------------------------
+
+
+def replaced_single_replica(old_log, new_log):
+    """Session 1 had old:1 alone, then new:1 joined it; the assignment now has new:1 only (docs/operations.md,
+    "Replacing a storage node", on a partition with one replica). The electorate is {old, new}: quorum 2."""
+    metadata = DummyMetadata()
+    metadata.value = metadata_with(("old:1", 1, UNRESOLVED), ("new:1", 1, UNRESOLVED))
+    old, new = DummyReplica("old:1", 2, old_log), DummyReplica("new:1", 2, new_log)
+    old.last_session = new.last_session = (1, -1, -1)
+    return metadata, old, new
+
+
+def test_a_member_the_assignment_dropped_is_asked_for_its_vote_and_left_as_it_is():
+    # Before: a dropped member counted as not voting, and one vote of the two needed never came: the partition
+    # could not write again until the old node was assigned back.
+    committed = records(0, 21)
+    metadata, old, new = replaced_single_replica(list(committed), list(committed))
+    manager = RecoveryManager(0, metadata.value, {"new:1": new}, metadata, Clock(), departing={"old:1": old})
+    result = manager.run()
+    assert result.called and result.result.high_water_mark == 20
+    assert result.result.recovered == {"new:1"} and result.result.background == {}
+    assert manager.recoveries["old:1"].vote == 20
+    assert manager.recoveries["old:1"].state.value == "released"
+    assert old.calls == [] and len(old.log) == 21      # nothing written to the departing replica
+    # The new session's metadata drops it: the next recovery's electorate is new:1 alone.
+    assert [s.replica_id.storage for s in metadata.value.replica_states] == ["new:1"]
+
+
+def three_member_session_losing_old(logs):
+    """Session 1's members old, a and b (``logs``: storage -> records); the assignment now has a, b and new;
+    b is unreachable. The electorate is {old, a, b}: quorum 2."""
+    metadata = DummyMetadata()
+    metadata.value = metadata_with(*((s, 1, UNRESOLVED) for s in ("old:1", "a:1", "b:1")))
+    replicas = {s: DummyReplica(s, 2, logs.get(s, [])) for s in ("old:1", "a:1", "b:1", "new:1")}
+    for s in ("old:1", "a:1", "b:1"):
+        replicas[s].last_session = (1, -1, -1)
+    replicas["b:1"].when_connected = lambda: defer.Deferred()
+    replicas["b:1"].connected = False
+    departing = {"old:1": replicas.pop("old:1")}
+    manager = RecoveryManager(0, metadata.value, replicas, metadata, Clock(), departing=departing)
+    return manager, replicas, departing["old:1"]
+
+
+def test_a_departing_voter_holding_acknowledged_transactions_is_copied_from():
+    # 21..30 were acknowledged by old and b; b is down. a copies them from old and votes 30.
+    committed = records(0, 31)
+    manager, replicas, old = three_member_session_losing_old({"old:1": list(committed), "a:1": committed[:21]})
+    result = manager.run()
+    assert result.called and result.result.high_water_mark == 30
+    assert len(replicas["a:1"].log) == len(replicas["new:1"].log) == 31
+    assert result.result.recovered == {"a:1", "new:1"}
+    assert all(call[0] == "get_records" for call in old.calls)     # read from, never written to
+
+
+def test_a_departing_voter_behind_raises_its_vote_and_a_lost_one_makes_the_vote_wait():
+    committed = records(0, 31)
+    manager, replicas, old = three_member_session_losing_old({"old:1": committed[:21], "a:1": list(committed)})
+    result = manager.run()
+    assert result.called and result.result.high_water_mark == 30
+    assert len(old.log) == 31 and manager.recoveries["old:1"].state.value == "released"
+    # A departing voter that cannot be reached counts as not voting: the vote waits, as documented.
+    manager, replicas, old = three_member_session_losing_old({"old:1": list(committed), "a:1": committed[:21]})
+    old.when_connected = lambda: defer.Deferred()
+    old.connected = False
+    result = manager.run()
+    assert not result.called and manager.state.value == "undecidable"
+    manager.stop()
+    result.addErrback(lambda f: None)
+
+
+def test_only_members_of_the_electorate_are_departing_voters():
+    metadata = metadata_with(("a:1", 1, UNRESOLVED), ("b:1", 1, UNRESOLVED), ("c:1", 0, 50))
+    assert departing_voters(metadata, {"b:1", "d:1"}) == {"a:1"}     # c was resolved: not asked
+    assert departing_voters(metadata, {"a:1", "b:1"}) == frozenset()
+    assert departing_voters(metadata_with(), {"a:1"}) == frozenset()  # never had a session

@@ -217,19 +217,26 @@ def using(client, action):
 
 
 @defer.inlineCallbacks
-def sync_node(client, expected):
+def sync_node(client, expected, still_needed=None):
     """Make the node's assigned partitions ``expected``: assign what is missing, unassign (keeping the
-    files) what is extra; fires with a line saying what changed."""
+    files) what is extra, except those ``still_needed(extra)`` fires with (partitions whose last store session
+    still counts the node's replica: the next session's recovery asks it for its vote, which a node that no
+    longer serves the partition cannot give); fires with a line saying what changed."""
     status = yield client.assigned_partitions()
     present = {pid for pid, _ in status}
     missing = sorted(set(expected) - present)
     extra = sorted(present - set(expected))
+    kept = sorted((yield still_needed(extra))) if extra and still_needed is not None else []
+    extra = [pid for pid in extra if pid not in kept]
     if missing:
         yield client.assign(missing, True)
     if extra:
         yield client.assign(extra, False)
     changes = ["assigned %s" % format_ids(missing)] if missing else []
     changes += ["unassigned %s (files kept)" % format_ids(extra)] if extra else []
+    changes += ["kept %s: their last store session still counts this replica, and the next one needs its vote; "
+                "run sync-partitions again once a server has opened a new session of each" % format_ids(kept)
+                ] if kept else []
     return "%s: %s" % (client.storage, "; ".join(changes) or "in sync (partitions %s)" % format_ids(expected))
 
 
@@ -324,7 +331,8 @@ def _sync_partitions(view, args):
     failed = []
     for client in clients:  # one at a time, so the output follows the order of the nodes
         try:
-            line = yield using(client, lambda c: sync_node(c, view.assigned_in_zookeeper(c.storage)))
+            line = yield using(client, lambda c: sync_node(
+                c, view.assigned_in_zookeeper(c.storage), lambda ids: view.last_session_member_of(c.storage, ids)))
         except StorageNodeError as exc:
             line = "%s: NOT SYNCED: %s %s" % (client.storage, exc.where, exc.problem)
             failed.append(client.storage)

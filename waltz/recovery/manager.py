@@ -26,8 +26,11 @@ chained Deferreds and whose state changes only through :meth:`_enter`
   had a session has no electorate; then every assigned replica votes. The
   partition's :class:`RecoveryManager` re-evaluates the vote
   (:mod:`waltz.recovery.voting`) whenever a vote arrives and stays
-  ``UNDECIDABLE`` while missing votes, including those of members no longer
-  assigned, could change the outcome. Meanwhile the voters behind the highest
+  ``UNDECIDABLE`` while missing votes could change the outcome. Members the
+  new assignment dropped (*departing* voters) are asked too, while their
+  storage still holds the partition: they vote, and may be copied from, but
+  are never written to beyond what voting needs and never join the new
+  session. Meanwhile the voters behind the highest
   vote copy up to it from a voter holding it (``RAISING_VOTE``) and vote
   again: once enough of them hold it, it is decided without the missing
   replicas (seed 000: it becomes decidable when a replica catches up).
@@ -70,6 +73,8 @@ class ReplicaRecoveryState(enum.Enum):
     CATCHING_UP = "catching-up"
     SETTING_LOW_WATER_MARK = "setting-low-water-mark"
     RECOVERED = "recovered"
+    #: A departing voter (no longer assigned) whose part ended with the resolution of the vote.
+    RELEASED = "released"
     ABANDONED = "abandoned"
 
 
@@ -114,10 +119,13 @@ class ReplicaRecovery:
 
     log = Logger()
 
-    def __init__(self, manager, replica):
+    def __init__(self, manager, replica, departing=False):
         self.manager = manager
         self.replica = replica
         self.storage = replica.replica_id.storage
+        #: A member of the last session that the new assignment dropped: it only votes (and raises its vote),
+        #: and is released once the vote is resolved.
+        self.departing = departing
         self.state = None
         self.vote = None
         #: True when the storage forgot the session ZooKeeper records it in (its data was wiped, or
@@ -146,10 +154,12 @@ class ReplicaRecovery:
             return self._abandon(RecoveryAborted("recovery of session %d stopped" % self.manager.session_id))
         self._enter(ReplicaRecoveryState.WAITING_FOR_CONNECTION)
         d = self.replica.when_connected()
-        for step in (self._read_session_info, self._make_consistent, self._cast_vote, self._await_resolution,
-                     self._settle_at, self._set_low_water_mark):
+        steps = (self._read_session_info, self._make_consistent, self._cast_vote, self._await_resolution)
+        if not self.departing:
+            steps += (self._settle_at, self._set_low_water_mark)
+        for step in steps:
             d.addCallback(self._unless_stopped, step)
-        d.addCallbacks(self._recovered, self._step_failed)
+        d.addCallbacks(self._released if self.departing else self._recovered, self._step_failed)
 
     def _unless_stopped(self, result, step):
         if self.manager.stopped:
@@ -294,6 +304,13 @@ class ReplicaRecovery:
         self.manager.replica_recovered(self)
         self.done.callback(self.storage)
 
+    def _released(self, _):
+        """A departing voter's part ends with the resolution: the new session neither holds nor writes it."""
+        if self.manager.stopped:
+            return self._abandon(RecoveryAborted("recovery of session %d stopped" % self.manager.session_id))
+        self._enter(ReplicaRecoveryState.RELEASED)
+        self.done.callback(self.storage)
+
     def _step_failed(self, failure):
         if failure.check(RecoveryAborted) or self.manager.stopped:
             return self._abandon(failure)
@@ -330,17 +347,23 @@ class RecoveryManager:
     ``metadata`` is the partition metadata as the session was created
     (``session_id`` is the new session's); ``replicas`` maps storage connect
     strings to :class:`~waltz.interfaces.IReplicaSession`; ``metadata_store``
-    is an :class:`~waltz.interfaces.IPartitionMetadataStore`.
+    is an :class:`~waltz.interfaces.IPartitionMetadataStore`. ``departing``
+    maps the electorate's members that are no longer assigned to replica
+    sessions of theirs (see :func:`departing_voters`): they are asked for their
+    votes, nothing else.
     """
 
     log = Logger()
 
     def __init__(self, partition_id, metadata, replicas, metadata_store, reactor, metrics=None,
-                 retry_interval=0.5):
+                 retry_interval=0.5, departing=None):
         self.partition_id = partition_id
         self.metadata = metadata
         self.session_id = metadata.session_id
         self.replicas = dict(replicas)
+        self.departing = dict(departing or {})
+        if set(self.departing) & set(self.replicas):
+            raise ValueError("departing voters %s are assigned" % sorted(set(self.departing) & set(self.replicas)))
         self.metadata_store = metadata_store
         self.reactor = reactor
         self.metrics = metrics
@@ -353,6 +376,9 @@ class RecoveryManager:
         self.high_water_mark = None
         self._resolution_waiters = []
         self.recoveries = {storage: ReplicaRecovery(self, replica) for storage, replica in sorted(self.replicas.items())}
+        self.recoveries.update((storage, ReplicaRecovery(self, replica, departing=True))
+                               for storage, replica in sorted(self.departing.items())
+                               if storage in self.electorate)
         self._recovered = set()
         self._complete = defer.Deferred()
         self._usher_waiters = []
@@ -610,7 +636,8 @@ class RecoveryManager:
         recovered = written[-1]
         self._enter(PartitionRecoveryState.COMPLETE, "high-water mark %d, recovered %s"
                     % (self.high_water_mark, ", ".join(sorted(recovered))))
-        background = {storage: r.done for storage, r in self.recoveries.items() if storage not in recovered}
+        background = {storage: r.done for storage, r in self.recoveries.items()
+                      if storage not in recovered and not r.departing}
         self._complete.callback(RecoveryResult(self.high_water_mark, recovered, background))
 
     def _new_metadata(self, current, recovered):
@@ -639,6 +666,14 @@ def electorate_of(metadata, assigned) -> frozenset:
     partition that never had a session), every storage in ``assigned``."""
     members = frozenset(state.replica_id.storage for state in metadata.replica_states if not state.is_resolved)
     return members or frozenset(assigned)
+
+
+def departing_voters(metadata, assigned) -> frozenset:
+    """The members of the electorate that ``assigned`` no longer has: a store session asks them for their
+    votes while their storage still holds the partition (until ``waltz storage sync-partitions`` unassigns
+    it there). Without them, dropping one of two members (replacing the node of a partition that had one
+    replica) would leave the vote undecidable for ever."""
+    return electorate_of(metadata, assigned) - frozenset(assigned)
 
 
 @defer.inlineCallbacks

@@ -112,3 +112,41 @@ def test_an_assignment_change_disconnects_the_nodes_it_removed():
     store._assignment_changed(assignment("a:1", "b:1").encode(), None)
     assert "c:1" not in store.pool.connections and not removed._service.running
     assert store.assigned_storages() == {"a:1", "b:1"}
+
+
+def test_a_session_asks_the_members_the_assignment_dropped_for_their_votes_then_lets_them_go():
+    from waltz.zk.znodes import UNRESOLVED, ReplicaId, ReplicaState
+
+    class RecordingPool(Pool):
+        def __init__(self):
+            self.connections = {}
+
+        def connection(self, storage):
+            return self.connections.setdefault(storage, RecordingConnection())
+
+    class RecordingConnection(UnreachableConnection):
+        def __init__(self):
+            self.listeners = set()
+
+        def add_close_listener(self, listener):
+            self.listeners.add(listener)
+
+        def remove_close_listener(self, listener):
+            self.listeners.discard(listener)
+
+    clock, cluster = Clock(), ClusterWithHeldSessionCreation()
+    store = Store(cluster, clock)
+    store.params = StoreParams(uuid.uuid4(), 1)
+    store.pool = RecordingPool()
+    store.sessions = StoreSessionManager(cluster, store.pool, clock, store.replicas_of)
+    store._apply_assignment(assignment("a:1", "new:1"))
+    partition = store.partition(0, 5)
+    # The last session had old and a; old was unassigned (replaced by new).
+    cluster.created.callback(PartitionMetadata(5, 2, (ReplicaState(ReplicaId(0, "old:1"), 1, UNRESOLVED),
+                                                      ReplicaState(ReplicaId(0, "a:1"), 1, UNRESOLVED))))
+    session = partition.session
+    assert sorted(session.replicas) == ["a:1", "new:1"] and sorted(session.departing) == ["old:1"]
+    assert sorted(session.recovery.electorate) == ["a:1", "old:1"]
+    assert store.pool.connections["old:1"].listeners       # in use: the pool keeps the connection
+    session.close("test")
+    assert not store.pool.connections["old:1"].listeners   # released: the pool may stop it

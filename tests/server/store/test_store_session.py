@@ -684,3 +684,19 @@ def test_closing_a_store_partition_cancels_its_session_restart():
     assert len(clock.getDelayedCalls()) == 1       # the retry
     partition.close()
     assert clock.getDelayedCalls() == []
+
+
+def test_a_departing_voter_votes_then_is_let_go_when_the_session_writes():
+    # Session 1 had old alone; new joined it; the assignment now has new only (the node was replaced).
+    from waltz.zk.znodes import UNRESOLVED, PartitionMetadata, ReplicaId, ReplicaState
+    metadata = DummyMetadata()
+    metadata.value = PartitionMetadata(1, 2, tuple(ReplicaState(ReplicaId(0, s), 1, UNRESOLVED)
+                                                   for s in ("old:1", "new:1")))
+    old, new = DummyReplica("old:1", 2, records(0, 8)), DummyReplica("new:1", 2, records(0, 8))
+    old.last_session = new.last_session = (1, -1, -1)
+    session = StoreSession(0, metadata.value, {"new:1": new}, metadata, Clock(), departing={"old:1": old})
+    session.start()
+    assert session.state is SessionState.WRITING and session.high_water_mark == 7
+    assert set(session.joined) == {"new:1"} and not old.connected and session.departing == {}
+    session.write(records(8, 1))
+    assert len(new.log) == 9 and len(old.log) == 8

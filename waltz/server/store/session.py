@@ -74,7 +74,7 @@ class StoreSession:
     log = Logger()
 
     def __init__(self, partition_id, metadata, replicas, metadata_store, reactor, on_close=None, metrics=None,
-                 max_outstanding_batches=64, recovery_retry_interval=0.5):
+                 max_outstanding_batches=64, recovery_retry_interval=0.5, departing=None):
         self.partition_id = partition_id
         self.session_id = metadata.session_id
         self.generation = metadata.generation
@@ -86,8 +86,11 @@ class StoreSession:
         self.max_outstanding_batches = max_outstanding_batches
         self._on_close = on_close
         self.metadata_store = metadata_store
+        #: Replica sessions of the last session's members that the assignment dropped: recovery asks them for
+        #: their votes; they are closed once it completes.
+        self.departing = dict(departing or {})
         self.recovery = RecoveryManager(partition_id, metadata, self.replicas, metadata_store, reactor,
-                                        metrics, recovery_retry_interval)
+                                        metrics, recovery_retry_interval, departing=self.departing)
         self._join_retry_interval = recovery_retry_interval
         self._join_retries = {}    # storage -> the DelayedCall that tries its join again
         self.state = SessionState.CREATED
@@ -132,6 +135,7 @@ class StoreSession:
         if self.state is SessionState.CLOSED:
             raise SessionClosed("session %d closed during recovery: %s" % (self.session_id, self.close_reason))
         self.low_water_mark = self.high_water_mark = result.high_water_mark
+        self._close_departing()     # a quorum of the assigned replicas holds the mark: they serve the rest
         for storage in result.recovered:
             self._admit(storage)
         if self.state is not SessionState.CLOSED:
@@ -140,6 +144,11 @@ class StoreSession:
         for storage, done in result.background.items():
             done.addCallbacks(self._background_recovered, lambda f: None)
         return result
+
+    def _close_departing(self):
+        departing, self.departing = self.departing, {}
+        for replica in departing.values():
+            replica.close()
 
     def _recovery_failed(self, failure):
         self.close("recovery failed: %s" % failure.getErrorMessage())
@@ -355,6 +364,7 @@ class StoreSession:
                 call.cancel()
         for replica in self.replicas.values():
             replica.close()
+        self._close_departing()
         batches, self._batches = self._batches, collections.deque()
         for batch in batches:
             if not batch.deferred.called:

@@ -19,6 +19,7 @@ from zope.interface import implementer
 
 from waltz.interfaces import IPartitionMetadataStore
 from waltz.protocols import storage_messages as sm
+from waltz.recovery.manager import departing_voters
 from waltz.server.store.partition import StorePartition
 from waltz.server.store.replica import DEFAULT_REQUEST_TIMEOUT, ReplicaSession, StorageConnectionPool
 from waltz.server.store.session import StoreSession
@@ -64,11 +65,14 @@ class StoreSessionManager:
         storages = self.assignment(partition_id)
         if not storages:
             raise NoReplicas("partition %d has no replica assigned in ZooKeeper" % partition_id)
-        replicas = {storage: ReplicaSession(ReplicaId(partition_id, storage), metadata.session_id,
-                                            self.pool.connection(storage))
-                    for storage in storages}
+        replicas = self._replica_sessions(partition_id, metadata.session_id, storages)
+        departing = self._replica_sessions(partition_id, metadata.session_id, departing_voters(metadata, storages))
         return StoreSession(partition_id, metadata, replicas, self.metadata_store, self.reactor, on_close,
-                            self.metrics, recovery_retry_interval=self.recovery_retry_interval)
+                            self.metrics, recovery_retry_interval=self.recovery_retry_interval, departing=departing)
+
+    def _replica_sessions(self, partition_id, session_id, storages):
+        return {storage: ReplicaSession(ReplicaId(partition_id, storage), session_id, self.pool.connection(storage))
+                for storage in storages}
 
 
 class NoReplicas(Exception):
