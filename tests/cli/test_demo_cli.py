@@ -45,3 +45,5 @@ def test_demo_option_errors_are_one_line():
     assert "argument --duration: expected a positive number of seconds up to 31622400, got '0'" in refused(
         "demo", "--duration", "0", code=2)
     assert "argument --root: expected an absolute znode path" in refused("demo", "--root", "relative", code=2)
+    assert "argument --accounts: expected a number of accounts from 1 to 1000, got '1001'" in refused(
+        "demo", "--accounts", "1001", code=2)

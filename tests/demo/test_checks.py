@@ -2,8 +2,8 @@
 
 import attr
 
-from waltz.demo.checks import InstanceState, check_agreement, check_committed_applied, check_exactly_once, \
-    check_ledger, replay, verify
+from waltz.demo.checks import InstanceState, check_agreement, check_applied_committed, check_committed_applied, \
+    check_exactly_once, check_ledger, replay, verify
 
 LEDGER = [
     (0, 0, "deposit", 2, 100),
@@ -17,12 +17,18 @@ ACCOUNTS = {2: (40, False), 1: (0, True)}
 MARKS = {0: 2, 1: 2}
 
 
-def instance(name="a", ledger=LEDGER, accounts=ACCOUNTS, marks=MARKS, committed=(), log_marks=MARKS):
-    return InstanceState(name, dict(accounts), list(ledger), dict(marks), list(committed), dict(log_marks))
+def instance(name="a", ledger=LEDGER, accounts=ACCOUNTS, marks=MARKS, committed=(), log_marks=MARKS,
+             accounts_range=range(1, 3)):
+    return InstanceState(name, dict(accounts), list(ledger), dict(marks), list(committed), dict(log_marks),
+                         accounts_range)
+
+
+#: Every bank transaction of LEDGER, committed by one of two instances.
+BANK = [entry for entry in LEDGER if entry[2] != "other"]
 
 
 def test_a_consistent_run_passes_every_check():
-    states = [instance("a", committed=[LEDGER[2]]), instance("b", committed=[LEDGER[5]])]
+    states = [instance("a", committed=BANK[:2]), instance("b", committed=BANK[2:])]
     results = verify(states)
     assert [r.passed for r in results] == [True, True, True]
     assert "2 accounts, 0 negative, 1 deactivated" in results[1].summary
@@ -78,3 +84,24 @@ def test_instances_that_disagree_are_caught():
     assert check_agreement([instance("a"), other]) == ["a and b applied different transactions",
                                                        "a and b disagree on the accounts"]
     assert check_agreement([instance("a"), attr.evolve(instance("b"), ledger=list(reversed(LEDGER)))]) == []
+
+
+def test_a_transaction_in_the_log_twice_or_never_reported_committed_is_caught():
+    # Before: only committed -> applied was checked; a deposit appended twice (and the withdrawal it paid for)
+    # passed every check.
+    twice = (0, 3, "deposit", 2, 100)
+    ledger = LEDGER + [twice]
+    states = [instance("a", ledger=ledger, committed=BANK[:2] + [LEDGER[0]]),
+              instance("b", ledger=ledger, committed=BANK[2:])]
+    assert check_applied_committed(states) == [
+        "transaction 0/0 ('deposit', 2, 100) is in the log 1 times but was committed 2 times",
+        "transaction 0/3 ('deposit', 2, 100) is in the log 1 times but was committed 0 times",
+        "two commits report position 0/0"]
+    failed = verify(states)[0]
+    assert not failed.passed
+    # An entry of another run's accounts (or of another application) is not this run's to account for.
+    assert check_applied_committed([instance("a", committed=BANK, accounts_range=range(1, 3)),
+                                    instance("b", ledger=LEDGER, accounts_range=range(1, 3))]) == []
+    assert check_applied_committed([instance("a", committed=BANK[1:], accounts_range=range(1, 2))]) == []
+    # Reports written before the run's account range was recorded are not checked this way.
+    assert check_applied_committed([instance("a", accounts_range=None)]) == []

@@ -79,3 +79,89 @@ def test_only_a_catching_up_event_with_more_applied_counts_as_progress(tmp_path)
     assert process.stats == {} and not process.events["started"].called
     last = _last_progress([process, InstanceProcess("instance-1", str(tmp_path / "other.log"), clock)])
     assert last() == 15
+
+
+class HeldThreads:
+    """Stands in for ``threads.deferToThread`` in the fault plan: look-ups answer at once, kills and starts
+    wait until the test finishes them (a twistd start-up under way)."""
+
+    def __init__(self):
+        self.held = []          # (what, Deferred)
+        self.calls = []
+
+    def __call__(self, function, *args):
+        name = getattr(function, "__name__", "")
+        if name in ("kill", "start", "<lambda>"):
+            what = "start" if name in ("start", "<lambda>") else "kill"
+            self.calls.append(what)
+            d = defer.Deferred()
+            self.held.append((what, d))
+            return d
+        return defer.succeed(function(*args))
+
+    def finish(self, what):
+        for index, (held_what, d) in enumerate(self.held):
+            if held_what == what:
+                del self.held[index]
+                d.callback(None)
+                return
+        raise AssertionError("no %s under way" % what)
+
+
+class Daemons:
+    num_storages = 3
+
+    class Daemon:
+        pid = 1234
+
+        def kill(self):
+            pass
+
+        def start(self):
+            pass
+
+    def daemon(self, kind, index):
+        return self.Daemon()
+
+    def served_partitions(self):
+        return {}
+
+
+def fault_plan(monkeypatch):
+    from waltz.demo import runner
+    held = HeldThreads()
+    monkeypatch.setattr(runner.threads, "deferToThread", held)
+    clock = task.Clock()
+    plan = runner.FaultPlan(clock, Daemons(), 10.0, lambda line: None)
+    run = plan.run(0.0)
+    run.addErrback(lambda f: f.trap(defer.CancelledError))
+    return plan, held, clock
+
+
+def test_a_plan_stopped_while_it_restarts_a_daemon_does_not_start_it_twice(monkeypatch):
+    # Before: restore() started storage-1 again while the plan's own restart was under way (two twistd
+    # processes on one port, the pid file overwritten), then raised ValueError removing it from `down`.
+    plan, held, clock = fault_plan(monkeypatch)
+    clock.advance(2.0)
+    held.finish("kill")
+    clock.advance(2.0)                       # the restart at 0.4 of the run is under way
+    assert held.calls == ["kill", "start"]
+    plan.stop()
+    restored = outcome(plan.restore())
+    assert restored == [] and held.calls == ["kill", "start"]     # it waits for the restart under way
+    held.finish("start")
+    assert restored == [None] and held.calls == ["kill", "start"] and plan.down == []
+
+
+def test_a_plan_stopped_while_it_kills_a_daemon_starts_it_again(monkeypatch):
+    # Before: the kill under way was not in `down` yet, so restore() restarted nothing, and the plan then
+    # slept until its own restart time, after the demo had ended.
+    plan, held, clock = fault_plan(monkeypatch)
+    clock.advance(2.0)
+    assert held.calls == ["kill"]
+    plan.stop()
+    restored = outcome(plan.restore())
+    held.finish("kill")
+    assert held.calls == ["kill", "start"] and restored == []
+    held.finish("start")
+    assert restored == [None] and plan.down == [] and clock.getDelayedCalls() == []

@@ -11,8 +11,9 @@ import sqlite3
 import sys
 
 from waltz.cli.cluster import quiet_kazoo, run_reactor
-from waltz.cli.common import CliError, error_message, port, positive_int, positive_seconds, znode_path
-from waltz.demo.runner import DemoSettings, InstanceError, load_run, run_demo
+from waltz import config
+from waltz.cli.common import CliError, argument_type, error_message, port, positive_int, positive_seconds, znode_path
+from waltz.demo.runner import ACCOUNT_NUMBERS_PER_RUN, DemoSettings, InstanceError, load_run, run_demo
 from waltz.demo.checks import verify
 from waltz.local.daemons import DaemonError
 from waltz.local.devcluster import DEFAULT_ROOT, DEFAULT_RUN_DIR, DEFAULT_ZOOKEEPER_PORT, DevCluster
@@ -69,6 +70,17 @@ def _print_checks(checks, run_dir=None):
     return 0 if passed else 1
 
 
+def _run_accounts(text):
+    number = config.positive_int(text)
+    if number > ACCOUNT_NUMBERS_PER_RUN:
+        raise ValueError(number)
+    return number
+
+
+#: An argparse type: the accounts of a run (its account numbers must not reach the next run's).
+_accounts = argument_type(_run_accounts, "a number of accounts from 1 to %d" % ACCOUNT_NUMBERS_PER_RUN)
+
+
 def register(subparsers):
     """Add ``waltz demo``."""
     parser = subparsers.add_parser("demo", help="the bank demo on the local cluster",
@@ -80,7 +92,9 @@ def register(subparsers):
                         % DEFAULT_ZOOKEEPER_PORT)
     parser.add_argument("--root", default=DEFAULT_ROOT, type=znode_path, help="cluster root znode (default %(default)s)")
     parser.add_argument("--instances", type=positive_int, default=3, help="application instances (default 3)")
-    parser.add_argument("--accounts", type=positive_int, default=20, help="accounts (default 20)")
+    parser.add_argument("--accounts", type=_accounts, default=20,
+                        help="accounts (default 20, at most %d: each run has account numbers of its own)"
+                        % ACCOUNT_NUMBERS_PER_RUN)
     parser.add_argument("--duration", type=positive_seconds, default=60.0, help="seconds of traffic (default 60)")
     parser.add_argument("--concurrency", type=positive_int, default=8,
                         help="transactions in flight per instance (default 8)")

@@ -8,12 +8,16 @@ order); its report lists the transactions it committed. :func:`verify` checks:
   high-water mark is the last one;
 - **committed means applied**: every transaction any instance committed is in every instance's ledger,
   at the position the commit reported, with the same content;
+- **applied means committed once**: every bank transaction in the log on this run's accounts is one that an
+  instance was told committed, and no commit got into the log twice (an append retried after a lost answer,
+  or a context reported failed whose append committed, would show here);
 - **no overdraft**: replaying the ledger in log order, no balance ever goes below zero;
 - **no withdrawal after a deactivation**;
 - **the view matches the log**: the ``accounts`` table equals the replay of the ledger;
 - **the instances agree**: every instance has the same ledger and the same accounts.
 """
 
+import collections
 import json
 import sqlite3
 
@@ -33,6 +37,7 @@ class InstanceState:
     marks = attr.ib()           # {partition: stored client high-water mark}
     committed = attr.ib()       # what this instance committed
     log_marks = attr.ib()       # {partition: the log's high-water mark at the end}
+    accounts_range = attr.ib(default=None)   # range of this run's account numbers (None: an older report)
 
 
 @attr.s(frozen=True)
@@ -59,8 +64,10 @@ def load_instance(name, db_path, report_path):
         marks = dict(connection.execute("SELECT PARTITION_ID, HIGH_WATER_MARK FROM WALTZ_CLIENT_HIGH_WATER_MARK"))
     finally:
         connection.close()
+    run_accounts = report.get("accounts")
     return InstanceState(name, accounts, ledger, marks, [tuple(c) for c in report["committed"]],
-                         {int(p): m for p, m in report["high_water_marks"].items()})
+                         {int(p): m for p, m in report["high_water_marks"].items()},
+                         range(run_accounts[0], run_accounts[1] + 1) if run_accounts else None)
 
 
 def _by_partition(ledger):
@@ -120,6 +127,28 @@ def check_committed_applied(states):
     return problems
 
 
+def check_applied_committed(states):
+    """Every bank transaction in the log on this run's accounts was committed by an instance, once: the log's
+    entries there (the first instance's ledger; :func:`check_agreement` compares the others) and the commits
+    the instances reported are the same, entry for entry, repeats counted."""
+    ranges = {state.accounts_range for state in states}
+    if not states or None in ranges or len(ranges) != 1:
+        return [] if not states or None in ranges else ["the instances report different account ranges"]
+    run_accounts = ranges.pop()
+    in_log = collections.Counter(entry for entry in states[0].ledger
+                                 if entry[2] in (DEPOSIT, WITHDRAWAL, DEACTIVATE) and entry[3] in run_accounts)
+    committed = collections.Counter(entry for state in states for entry in state.committed)
+    problems = ["transaction %d/%d %s is in the log %d times but was committed %d times"
+                % (entry[0], entry[1], entry[2:], count, committed[entry])
+                for entry, count in sorted(in_log.items()) if count != committed[entry]]
+    problems += ["committed transaction %d/%d %s was reported %d times" % (entry[0], entry[1], entry[2:], count)
+                 for entry, count in sorted(committed.items()) if count > 1 and entry not in in_log]
+    positions = collections.Counter(entry[:2] for entry in committed.elements())
+    problems += ["two commits report position %d/%d" % position for position, count in sorted(positions.items())
+                 if count > 1]
+    return problems
+
+
 def replay(ledger):
     """Replay a ledger in log order: ``(accounts {account: (balance, active)}, problems)``."""
     accounts, problems = {}, []
@@ -176,7 +205,8 @@ def verify(states):
     deactivated = sum(1 for _, active in accounts.values() if not active)
     return [
         CheckResult("every committed transaction applied exactly once by every instance",
-                    [p for s in states for p in check_exactly_once(s)] + check_committed_applied(states),
+                    [p for s in states for p in check_exactly_once(s)] + check_committed_applied(states)
+                    + check_applied_committed(states),
                     "%d committed in this run; %d applications in %d instances"
                     % (committed, applied, len(states))),
         CheckResult("no account went negative, no withdrawal after a deactivation",

@@ -205,6 +205,7 @@ def run_instance(reactor, args, channel):
         began = time.monotonic()
         marks = yield catch_up(client, channel, reactor)
         report = {"name": args.name, "committed": workload.committed, "stats": attr.asdict(stats),
+                  "accounts": [args.first_account, args.first_account + args.accounts - 1],
                   "high_water_marks": {str(p): m for p, m in marks.items()},
                   "catch_up_seconds": round(time.monotonic() - began, 3)}
         yield threads.deferToThread(_write_json, args.report, report)

@@ -210,8 +210,12 @@ class FaultPlan:
         self.down = []
         self.stopped = False
         self._sleep = None
+        self._ended = None          # fires when run()'s sequence of faults has ended, however
 
     def _until(self, when):
+        """Sleep until ``when``; CancelledError once stopped (a plan stopped mid-step injects nothing more)."""
+        if self.stopped:
+            return defer.fail(defer.CancelledError())
         self._sleep = _sleep_until(self.reactor, when)
         return self._sleep
 
@@ -228,15 +232,28 @@ class FaultPlan:
 
     @defer.inlineCallbacks
     def restore(self):
-        """Start again every process this plan killed and did not restart yet."""
+        """Once the plan's own steps have ended (:meth:`stop` first: a kill or restart under way finishes, and
+        nothing follows), start again every process it killed and did not restart."""
+        if self._ended is not None:
+            yield self._ended
         for name in list(self.down):
             yield threads.deferToThread(lambda: self._daemon(name).start())
             self.down.remove(name)
             self.say("fault: %s restarted" % name)
 
-    @defer.inlineCallbacks
     def run(self, began):
-        """Fires when every process it killed runs again."""
+        """Fires when every process it killed runs again (CancelledError when stopped first)."""
+        self._ended = defer.Deferred()
+        d = self._run(began)
+        d.addBoth(self._run_ended)
+        return d
+
+    def _run_ended(self, result):
+        self._ended.callback(None)
+        return result
+
+    @defer.inlineCallbacks
+    def _run(self, began):
         storage = "storage-%d" % min(1, self.cluster.num_storages - 1)
         yield self._outage(storage, began + 0.2 * self.duration, began + 0.4 * self.duration)
         yield self._until(began + 0.5 * self.duration)
@@ -249,12 +266,12 @@ class FaultPlan:
     @defer.inlineCallbacks
     def _outage(self, name, kill_at, restart_at, why=""):
         yield self._until(kill_at)
+        daemon = yield threads.deferToThread(self._daemon, name)
         if self.stopped:
             return
-        daemon = yield threads.deferToThread(self._daemon, name)
         pid = daemon.pid
+        self.down.append(name)      # before the kill: whatever happens next, restore() starts it again
         yield threads.deferToThread(daemon.kill)
-        self.down.append(name)
         self.say("fault: %s (pid %s%s) killed with SIGKILL" % (name, pid, ", " + why if why else ""))
         killed = self.reactor.seconds()
         yield self._until(restart_at)

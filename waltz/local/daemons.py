@@ -159,11 +159,15 @@ class LocalDaemon:
                 time.sleep(0.05)
         return None
 
-    def kill(self):
-        """``kill -9`` the daemon (fault tests) and reap it."""
+    def kill(self, timeout=5.0):
+        """``kill -9`` the daemon (fault tests) and reap it (one another process started: wait, up to
+        ``timeout`` seconds, until it is gone, so that it can be started again at once)."""
         if self.process is None:
             if self.is_running():
                 os.kill(self._pid, signal.SIGKILL)
+                deadline = time.monotonic() + timeout
+                while self.is_running() and time.monotonic() < deadline:
+                    time.sleep(0.02)
             return None
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
