@@ -29,11 +29,15 @@ def test_bad_yaml_is_reported_in_one_line_with_its_place(tmp_path):
     assert "\n" not in message and "is not valid YAML" in message and "at line 2, column 2" in message
 
 
-@pytest.mark.parametrize("key", ["zookeeper.sessionTimeout", "zookeeper.connectTimeout"])
-def test_millisecond_keys_have_an_upper_bound(tmp_path, key):
-    # 10**14 ms passed the checks, then overflowed the reactor's timers at start-up with a misleading error.
-    path = written(tmp_path, "zookeeper.connectString: 127.0.0.1:2181\ncluster.root: /x\n%s: 99999999999999\n" % key)
-    with pytest.raises(ConfigError, match="config key '%s': expected milliseconds from 1 to 86400000" % key):
+@pytest.mark.parametrize("key, value, least", [("zookeeper.sessionTimeout", 99999999999999, 1000),
+                                               ("zookeeper.connectTimeout", 99999999999999, 1),
+                                               ("zookeeper.sessionTimeout", 30, 1000)])
+def test_millisecond_keys_have_bounds(tmp_path, key, value, least):
+    # 10**14 ms passed the checks, then overflowed the reactor's timers at start-up with a misleading error. A
+    # session timeout of 30 (meant as seconds) was accepted: the server gave its partitions up at every probe.
+    path = written(tmp_path, "zookeeper.connectString: 127.0.0.1:2181\ncluster.root: /x\n%s: %d\n" % (key, value))
+    with pytest.raises(ConfigError, match="config key '%s': expected milliseconds from %d to 86400000"
+                       % (key, least)):
         load_config(path, ZOOKEEPER_KEYS)
 
 

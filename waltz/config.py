@@ -88,6 +88,21 @@ def milliseconds(value):
     return number
 
 
+#: The shortest ZooKeeper session timeout accepted (ms). ZooKeeper itself negotiates at least twice its tick
+#: (4 s by default); far less is a value meant in seconds, and would make a server give its partitions up
+#: at every probe and every request time out.
+MIN_SESSION_TIMEOUT_MS = 1000
+
+
+def session_timeout_milliseconds(value):
+    """A ZooKeeper session timeout in milliseconds, :data:`MIN_SESSION_TIMEOUT_MS` to :data:`MAX_MILLISECONDS`."""
+    number = _parse_int(value)
+    if not MIN_SESSION_TIMEOUT_MS <= number <= MAX_MILLISECONDS:
+        raise ValueError("expected milliseconds from %d to %d (a day), got %d"
+                         % (MIN_SESSION_TIMEOUT_MS, MAX_MILLISECONDS, number))
+    return number
+
+
 def non_negative_milliseconds(value):
     """A duration in milliseconds, 0 to :data:`MAX_MILLISECONDS`."""
     number = _parse_int(value)
@@ -305,7 +320,7 @@ def check_distinct_ports(config, names):
 # Keys every component that talks to ZooKeeper accepts.
 ZOOKEEPER_KEYS = (
     Key("zookeeper.connectString", connect_string, doc="ZooKeeper host:port list, e.g. 127.0.0.1:2181"),
-    Key("zookeeper.sessionTimeout", milliseconds, 30000, "ZooKeeper session timeout in ms"),
+    Key("zookeeper.sessionTimeout", session_timeout_milliseconds, 30000, "ZooKeeper session timeout in ms"),
     Key("zookeeper.connectTimeout", milliseconds, 10000, "ZooKeeper connect timeout in ms"),
     Key("cluster.root", znode_path, doc="the cluster's root znode, e.g. /waltz_cluster"),
 )

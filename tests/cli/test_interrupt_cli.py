@@ -50,3 +50,17 @@ def test_an_interrupted_command_cleans_up_and_exits_130(signum):
     assert process.returncode == 130
     assert out == "cleaned up\n"
     assert err == "waltz: interrupted\n"
+
+
+def test_the_entry_module_imports_only_the_standard_library():
+    # The console script imports waltz.cli.main before main() can catch a Ctrl-C: with Twisted and the client
+    # imported there, an interrupt in the first half second printed a traceback instead of one line.
+    probe = ("import sys; before = set(sys.modules); import waltz.cli.main; "
+             "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] not in ('waltz',) "
+             "and not m.startswith('_') and m.split('.')[0] in ('twisted', 'zope', 'attr', 'kazoo', 'yaml')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    leaked = subprocess.run([sys.executable, "-c", "import sys, waltz.cli.main; "
+                             "print([m for m in sys.modules if m.startswith('waltz.')])"],
+                            capture_output=True, text=True, timeout=30)
+    assert leaked.stdout.strip() == "['waltz.cli', 'waltz.cli.main']", leaked.stdout + leaked.stderr

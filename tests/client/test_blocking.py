@@ -308,3 +308,14 @@ async def test_a_failing_threaded_uncaught_exception_is_logged_not_left_in_a_def
     reports = [e for e in events if "could not report" in e.get("log_format", "")]
     assert len(reports) == 1 and reports[0]["log_failure"].check(ValueError)
     assert reports[0]["pid"] == 0 and reports[0]["txn"] == 3
+
+
+def test_an_answer_there_at_the_deadline_is_the_answer_not_a_timeout():
+    # Before: once the deadline had passed the wait returned "no answer" without looking, so an execute
+    # that committed in the last instant was reported as a timeout ("may or may not have committed").
+    import queue
+    from waltz.client.blocking import _NO_ANSWER, _wait_for_answer
+    answered = queue.Queue()
+    answered.put("committed")
+    assert _wait_for_answer(reactor, answered, 0) == "committed"
+    assert _wait_for_answer(reactor, queue.Queue(), 0) is _NO_ANSWER

@@ -13,7 +13,8 @@ import importlib
 import sys
 import traceback
 
-from waltz.cli.common import CliError, debugging, error_message
+# Only the standard library at the top: the console script imports this module before main() can catch a
+# Ctrl-C, and the rest (Twisted, the client) takes a noticeable part of a second to import.
 
 COMMAND_MODULES = (
     "waltz.cli.cluster",
@@ -33,6 +34,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports usage errors as one line with exit status 2."""
 
     def error(self, message):
+        from waltz.cli.common import CliError
         raise CliError("%s (see '%s --help')" % (message, self.prog), exit_code=2)
 
 
@@ -48,7 +50,7 @@ def build_parser():
 def main(argv=None):
     """Run the ``waltz`` command; returns (and exits with) its status."""
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)     # (imports the command modules: interruptible here)
         status = args.func(args) or 0
     except KeyboardInterrupt:
         print("waltz: interrupted", file=sys.stderr)
@@ -62,6 +64,7 @@ def report_error(exc):
     """Print ``exc`` as one line ``waltz: error: ...`` on stderr (after its traceback when the
     environment variable ``WALTZ_DEBUG`` is set); returns the exit status (a :class:`CliError`'s
     ``exit_code``, else 1)."""
+    from waltz.cli.common import CliError, debugging, error_message
     if debugging():
         traceback.print_exception(exc)
     print("waltz: error: %s" % error_message(exc), file=sys.stderr)
