@@ -27,6 +27,7 @@ import uuid
 import attr
 from twisted.internet import defer, task, threads
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks
 from waltz.config import expiration_ms
@@ -219,6 +220,27 @@ def _restart(process):
     process.start()
 
 
+def unless_failed_first(d, watched):
+    """``d``'s outcome, unless ``watched`` fails before it: then that failure, at once (``d`` goes on). A fault
+    loop whose restart failed would otherwise stop without a word, and the run wait for its producers until its
+    timeout. A failure of ``watched`` after ``d`` fired stays on ``watched`` for whoever waits for it."""
+    outer = defer.Deferred()
+
+    def settled(result):
+        if not outer.called:
+            (outer.errback if isinstance(result, Failure) else outer.callback)(result)
+
+    def watched_failed(failure):
+        if outer.called:
+            return failure
+        outer.errback(failure)
+        return None
+
+    d.addBoth(settled)
+    watched.addErrback(watched_failed)
+    return outer
+
+
 @defer.inlineCallbacks
 def run_smoke(reactor, run_dir, settings=SmokeSettings(), progress=None):
     """Run the smoke test in ``run_dir``; fires with a :class:`SmokeReport`."""
@@ -250,15 +272,16 @@ def run_smoke(reactor, run_dir, settings=SmokeSettings(), progress=None):
         began = time.monotonic()
         for producer in producers:
             producer.start()
+        producing = defer.gatherResults([p.done for p in producers], consumeErrors=True).addTimeout(
+            settings.timeout, reactor, onTimeoutCancel=_producers_late(producers, settings))
         if settings.faults:
-            faults.start()
+            producing = unless_failed_first(producing, faults.start())
         ticker = task.LoopingCall(_progress, progress, producers, settings, began) if progress else None
         if ticker is not None:
             ticker.clock = reactor
             ticker.start(1.0, now=False)
         try:
-            yield defer.gatherResults([p.done for p in producers], consumeErrors=True).addTimeout(
-                settings.timeout, reactor, onTimeoutCancel=_producers_late(producers, settings))
+            yield producing
         finally:
             if ticker is not None and ticker.running:
                 ticker.stop()
