@@ -230,3 +230,18 @@ def _with_count(payload, field, count):
     offset = 1 + 16 + 8 + 4 * ["write_locks", "read_locks", "append_locks"].index(field)
     payload[offset:offset + 4] = count.to_bytes(4, "big")
     return bytes(payload)
+
+
+def test_batch_request_ids_over_the_limit_are_refused_before_they_are_read():
+    # Before: the ids were read one by one through the generic loop, as many as the frame held (8 million in
+    # 64 MiB: seconds of the reactor and hundreds of MB), then the request was answered ok = false.
+    at_limit = L.TransactionDataBatchRequest(RID, tuple(range(L.MAX_BATCH_TRANSACTIONS)))
+    assert L.CLIENT_CODEC.decode(L.CLIENT_CODEC.encode(at_limit, 5), 5) == at_limit
+    over = L.CLIENT_CODEC.encode(L.TransactionDataBatchRequest(RID, tuple(range(L.MAX_BATCH_TRANSACTIONS + 1))), 5)
+    with pytest.raises(DecodeError, match="count %d is over the limit of %d"
+                       % (L.MAX_BATCH_TRANSACTIONS + 1, L.MAX_BATCH_TRANSACTIONS)):
+        L.CLIENT_CODEC.decode(over, 5)
+    claim = bytearray(L.CLIENT_CODEC.encode(L.TransactionDataBatchRequest(RID, ()), 5))
+    claim[1 + 16:1 + 16 + 4] = (2 ** 30).to_bytes(4, "big")
+    with pytest.raises(DecodeError, match="over the limit"):
+        L.CLIENT_CODEC.decode(bytes(claim), 5)

@@ -221,6 +221,26 @@ def test_a_message_a_client_may_not_send_closes_only_that_connection():
     assert not good_transport.disconnecting
 
 
+def closing_reasons(proto):
+    """The reasons ``proto`` is closed with, as they come."""
+    reasons, close = [], proto.close
+    proto.close = lambda reason, *args, **kwargs: (reasons.append(reason), close(reason, *args, **kwargs))
+    return reasons
+
+
+def test_a_message_type_a_client_may_not_send_is_refused_before_its_body_is_decoded():
+    # Before: the body was decoded item by item, then refused ("a client may not send ..."): a 64 MiB
+    # PartitionsHealthResponse held the reactor (every partition of the server) for about 40 s.
+    cluster = Cluster()
+    bad, bad_transport = server_over_string_transport(cluster)
+    reasons = closing_reasons(bad)
+    health = cm.PartitionsHealthResponse(rid(0), tuple((pid, True) for pid in range(20_000)))
+    bad.dataReceived(frame(health))
+    assert bad_transport.disconnecting
+    assert reasons == ["message type 22 (PartitionsHealthResponse) is not one this side of a family L connection "
+                       "receives"]
+
+
 def two_connections_the_other_mounted():
     """``(cluster, proto, transport, other, other_transport)``: client 2 mounted on ``other``."""
     cluster = Cluster()

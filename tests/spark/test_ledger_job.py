@@ -1,12 +1,14 @@
 """The ledger job, run as a process (``python -m waltz.spark.jobs.ledger``) against a cluster holding bank
 transactions in the documented format, compared with a SQLite accounts table."""
 
+import contextlib
 import io
 import json
 import os
 import sqlite3
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import pytest_twisted
@@ -56,11 +58,26 @@ async def test_the_ledger_job_rebuilds_balances_and_reports_mismatches(spark, st
     database = tmp_path / "bank.db"
     write_accounts(database, [(1, 77, 1), (2, 0, 1), (3, 5, 0), (4, 0, 1)])
 
-    # Both ways of running the job at once: each starts its own JVM, most of its time (the suite's budget).
-    for passed in await defer.gatherResults([in_thread(run_job, cluster, database, spark_submit)
-                                             for spark_submit in (False, True)], consumeErrors=True):
-        assert passed.returncode == 0, passed.stdout + passed.stderr
-        assert "7 transactions, 3 accounts" in passed.stdout and "consistent (0 mismatches" in passed.stdout
+    # The job as production runs it: spark-submit, in a JVM of its own (most of the test's time).
+    passed = await in_thread(run_job, cluster, database, True)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert "7 transactions, 3 accounts" in passed.stdout and "consistent (0 mismatches" in passed.stdout
+
+    # `python -m waltz.spark.jobs.ledger` (the demo's way) is the same main(): run here on the shared session,
+    # since a second JVM costs ~20 s of the suite. It picks local[*] unless given a master or run by
+    # spark-submit, and stops the session it built.
+    built, out = [], io.StringIO()
+    argv = ["--zookeeper", cluster.local.connect_string, "--cluster-root", cluster.local.root,
+            "--compare-sqlite", str(database)]
+
+    def shared_session(master, name):
+        built.append(SessionKeptOpen(spark, master))
+        return built[-1]
+    with mock.patch("waltz.spark.session.build_session", shared_session), contextlib.redirect_stdout(out):
+        assert await in_thread(ledger.main, argv) == 0
+        assert await in_thread(ledger.main, argv + ["--master", "local[2]"]) == 0
+    assert [(session.master, session.stopped) for session in built] == [("local[*]", 1), ("local[2]", 1)]
+    assert out.getvalue().count("consistent (0 mismatches") == 2
 
     # The mismatching case runs the same job function on the shared session (a second JVM costs ~40 s).
     write_accounts(database, [(1, 78, 1), (2, 0, 1), (3, 5, 1)])
@@ -81,6 +98,21 @@ async def test_the_ledger_job_rebuilds_balances_and_reports_mismatches(spark, st
     out = io.StringIO()
     assert await in_thread(ledger.run, spark, args, out) == ledger.JOB_FAILED
     assert "ledger: the job failed:" in out.getvalue() and "headers" in out.getvalue()
+
+
+class SessionKeptOpen:
+    """The shared session as built for ``master``; its stop() (the job's, at its end) is only counted."""
+
+    def __init__(self, session, master):
+        self._session = session
+        self.master = master
+        self.stopped = 0
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    def stop(self):
+        self.stopped += 1
 
 
 def account_partition(data):

@@ -110,3 +110,23 @@ def test_a_failed_open_request_leaves_even_an_opened_connection_unopened():
     transport.clear()
     proto.dataReceived(frame(sm.STORAGE_CODEC, sm.MaxTransactionIdRequest(1, 0, 0, False)))
     assert transport.disconnecting and not node.held     # a request before a (successful) open
+
+
+@pytest.mark.parametrize("port", ["storage", "admin"])
+def test_a_response_sent_to_a_storage_port_is_refused_before_its_body_is_decoded(port):
+    # Before: a FailureResponse (a stack of frames) or an admin status response was decoded item by item,
+    # even before the open request, then refused: a 16 MiB one held the storage's reactor for 12 s.
+    codec, proto_class, response = {
+        "storage": (sm.STORAGE_CODEC, StorageServerProtocol, sm.FailureResponse(1, 0, 0, sm.ExceptionInfo(
+            "boom", tuple(sm.StackFrame("C", "m", "f.py", i) for i in range(5000))))),
+        "admin": (am.ADMIN_CODEC, AdminServerProtocol, am.AssignedPartitionStatusResponse(
+            1, tuple((pid, True) for pid in range(5000))))}[port]
+    proto = proto_class(StubNode())
+    transport = StringTransport()
+    proto.makeConnection(transport)
+    reasons, close = [], proto.close
+    proto.close = lambda reason, *args, **kwargs: (reasons.append(reason), close(reason, *args, **kwargs))
+    proto.dataReceived(Hello(tuple(codec.versions), "Peer").to_frame() + frame(codec, response))
+    assert transport.disconnecting
+    assert len(reasons) == 1 and reasons[0].startswith("message type %d (%s) is not one this side" % (
+        codec.spec_for(response).code, type(response).__name__)), reasons

@@ -73,8 +73,8 @@ class ChecksumTolerantCodec:
     def encoder(self, version):
         return self._codec.encoder(version)
 
-    def decoder(self, version):
-        decode = self._codec.decoder(version)
+    def decoder(self, version, accepted=None):
+        decode = self._codec.decoder(version, accepted)
 
         def decode_tolerating_checksums(payload):
             try:

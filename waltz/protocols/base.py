@@ -120,6 +120,10 @@ class WaltzProtocol(Protocol):
     waiting_peer_is_silent = False
     #: The reactor (or a ``Clock`` in tests) used for liveness ticks.
     clock = None
+    #: The message classes this side receives (None: any of the family). Set by the server sides of the
+    #: protocols: a frame of another type (a response sent to a server) closes the connection before its
+    #: body is decoded, so a peer cannot make the reactor decode a large refused message item by item.
+    receives = None
 
     version = None
     closed = False
@@ -419,7 +423,7 @@ class WaltzProtocol(Protocol):
         if magic == HELLO_MAGIC:
             self._handle_hello(Hello.decode(payload))
         elif payload:
-            self._deliver(self.codec.decode(payload, version))
+            self._deliver(self._decode(payload))
         # An empty payload is a keep-alive: nothing to do.
 
     def _handle_hello(self, hello):
@@ -437,7 +441,7 @@ class WaltzProtocol(Protocol):
         when it has them (:meth:`~waltz.protocols.codec.MessageCodec.encoder`), else its generic methods."""
         codec = self.codec
         if hasattr(codec, "encoder") and hasattr(codec, "decoder"):
-            return codec.encoder(version), codec.decoder(version)
+            return codec.encoder(version), codec.decoder(version, self.receives)
         return (lambda message: codec.encode(message, version)), (lambda payload: codec.decode(payload, version))
 
     def _deliver(self, message):

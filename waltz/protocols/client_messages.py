@@ -24,7 +24,7 @@ import attr
 
 from waltz.protocols.codec import (
     BOOL, BYTES, I32, I64, INT_LIST, OPT_STRING, RECORD, REQ_ID, STRING, EnumOf, ListOf, MessageCodec,
-    PairOf, bounded_int_list, wire)
+    PairOf, bounded_int_list, bounded_long_list, wire)
 from waltz.protocols.locks import MAX_LOCKS_PER_KIND
 from waltz.protocols.values import ReqId, checksum
 
@@ -32,6 +32,11 @@ from waltz.protocols.values import ReqId, checksum
 VERSIONS = (3, 4, 5)
 
 
+#: Most transaction ids one TransactionDataBatchRequest may name; a request naming more is refused when
+#: decoded (the connection closes), before the server reads any of them.
+MAX_BATCH_TRANSACTIONS = 10_000
+#: A ``TransactionDataBatchRequest``'s ids: at most MAX_BATCH_TRANSACTIONS.
+BATCH_IDS = bounded_long_list(MAX_BATCH_TRANSACTIONS)
 #: An ``AppendRequest``'s lock hashes: at most MAX_LOCKS_PER_KIND of each kind.
 LOCK_LIST = bounded_int_list(MAX_LOCKS_PER_KIND)
 
@@ -281,7 +286,7 @@ class TransactionDataBatchRequest(ClientMessage):
 
     TYPE = 23
     MIN_VERSION = 5
-    transaction_ids: tuple = wire(ListOf(I64))
+    transaction_ids: tuple = wire(BATCH_IDS)
 
 
 #: In a failed data response's error: the server does not serve the partition (not, or not yet): the

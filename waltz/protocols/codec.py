@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import attr
 
 from waltz.protocols.compiled import compile_message
-from waltz.protocols.errors import ChecksumError, DecodeError, ProtocolError, UnknownMessageType
+from waltz.protocols.errors import ChecksumError, DecodeError, ProtocolError, UnexpectedMessageType, UnknownMessageType
 from waltz.protocols.primitives import Reader, Writer
 from waltz.protocols.values import Record, RecordHeader, ReqId, checksum
 
@@ -92,6 +92,16 @@ BOOL = Scalar("bool", 1, Writer.boolean, Reader.boolean, nullable=False, convert
 UUID = Scalar("UUID", 16, Writer.uuid, Reader.uuid, nullable=False, converter=_to_uuid)
 INT_LIST = Scalar("int[]", 4, Writer.int_array, Reader.int_array, nullable=False,
                   converter=_to_int_tuple)
+
+
+def bounded_long_list(max_count: int) -> Scalar:
+    """``i32 n, n × i64`` read in one struct call, whose decoders refuse a count above ``max_count`` before
+    reading an item (ids the receiver answers one by one: a frame full of them would cost far more than
+    its bytes)."""
+    def read(r: Reader, what: str) -> tuple:
+        return r.long_array(what, max_count)
+    return Scalar("i32 n, n × i64", 4, Writer.long_array, read, nullable=False, converter=_to_int_tuple,
+                  max_count=max_count)
 
 
 def bounded_int_list(max_count: int) -> Scalar:
@@ -584,15 +594,25 @@ class MessageCodec:
             return generic(message, version)
         return encode
 
-    def decoder(self, version: int):
+    def decoder(self, version: int, accepted=None):
         """``decode(payload)`` for one negotiated ``version``: :meth:`decode` with the table look-ups
-        done once (a connection decodes every frame it receives with the same version)."""
+        done once (a connection decodes every frame it receives with the same version).
+
+        With ``accepted`` (the message classes this side receives), a frame of any other type of the
+        family fails with :class:`UnexpectedMessageType` before its body is decoded: a body is decoded item
+        by item, and a peer could otherwise make the reactor decode a frame's worth of list items (seconds
+        for a large frame) of a message that is refused anyway."""
         self._check_version(version)
         fast = {code: spec.fast_decode for code, spec in self._by_code.items()
                 if spec.fast_decode is not None and version >= spec.min_version}
         generic = self.decode
+        refused = {} if accepted is None else {
+            code: spec.name for code, spec in self._by_code.items() if spec.cls not in frozenset(accepted)}
 
         def decode(payload):
+            if refused and payload and payload[0] in refused:
+                raise UnexpectedMessageType("message type %d (%s) is not one this side of a family %s connection "
+                                            "receives" % (payload[0], refused[payload[0]], self.family))
             fast_decode = fast.get(payload[0]) if payload else None
             if fast_decode is not None:
                 try:

@@ -17,6 +17,11 @@ class UnknownMessageType(DecodeError):
     """A frame carried a message type code this family does not define."""
 
 
+class UnexpectedMessageType(DecodeError):
+    """A frame carried a message type of the family that this side of the connection never receives (a
+    response sent to a server, say); refused before its body is decoded."""
+
+
 class ChecksumError(DecodeError):
     """A checksum carried in a message does not match the bytes it covers."""
 

@@ -240,8 +240,6 @@ class _Barrier:
 #: connection is then closed (the waits would otherwise grow without bound, outside the back pressure).
 MAX_WAITS_PER_CONNECTION = 1000
 
-#: Most transaction ids one TransactionDataBatchRequest may name.
-MAX_BATCH_TRANSACTIONS = 10_000
 #: Data bytes after which a batch response stops (it always carries at least one record).
 MAX_BATCH_RESPONSE_BYTES = 4 * 1024 * 1024
 
@@ -254,8 +252,6 @@ def batch_request_problem(ids, partition_id, high_water_mark):
     """Why a batch request for ``ids`` cannot be served (None when it can)."""
     if not ids:
         return "a batch request must name at least one transaction"
-    if len(ids) > MAX_BATCH_TRANSACTIONS:
-        return "a batch request may name at most %d transactions, not %d" % (MAX_BATCH_TRANSACTIONS, len(ids))
     if ids[0] < 0 or any(b <= a for a, b in zip(ids, ids[1:])):
         return "a batch request's transaction ids must be increasing and not negative"
     if ids[-1] > high_water_mark:

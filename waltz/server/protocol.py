@@ -95,6 +95,8 @@ class ServerProtocol(WaltzProtocol):
     pause_reading_while_unwritable = True
     #: Messages handled by a partition.
     PARTITION_MESSAGES = frozenset(ServerPartition.HANDLERS)
+    #: What a client may send; any other message type closes the connection before its body is decoded.
+    receives = PARTITION_MESSAGES | frozenset(SERVER_REQUESTS)
     #: The partition messages that carry the client's high-water mark.
     _CLIENT_HWM_MESSAGES = frozenset((cm.MountRequest, cm.FeedRequest, cm.AppendRequest))
 

@@ -39,6 +39,12 @@ class _RequestServerProtocol(WaltzProtocol):
         self.opened = False
         self._reads = ReadGate(self)
 
+    @property
+    def receives(self):
+        """The requests this port serves; any other message type closes the connection before its body is
+        decoded (a response sent here, say: a storage failure response can carry a frame's worth of stack)."""
+        return frozenset(self.handlers) | {self.open_type}
+
     def outboundResumed(self):
         self._reads.wake()
 

@@ -115,9 +115,10 @@ def argument_parser():
 JOB_FAILED = 3
 
 
-def run(spark, args, out=sys.stdout):
-    """The job; returns the exit status: 0 consistent, 1 mismatches, 2 a bad log entry or a missing
-    database file, 3 the job failed (the reason on one line)."""
+def run(spark, args, out=None):
+    """The job, reporting to ``out`` (standard output by default); returns the exit status: 0 consistent,
+    1 mismatches, 2 a bad log entry or a missing database file, 3 the job failed (the reason on one line)."""
+    out = sys.stdout if out is None else out
     try:
         return _verdict(spark, args, out)
     except Exception as exc:
