@@ -15,7 +15,7 @@ import pytest
 from waltz.protocols import admin_messages as A
 from waltz.protocols import client_messages as L
 from waltz.protocols import storage_messages as S
-from waltz.protocols.codec import BOOL, BYTES, I32, I64, INT_LIST, REQ_ID, ListOf
+from waltz.protocols.codec import BOOL, BYTES, I32, I64, INT_LIST, PARTITION_IDS, REQ_ID, ListOf
 from waltz.protocols.errors import ChecksumError, DecodeError
 from waltz.protocols.values import Record, ReqId, checksum
 
@@ -43,7 +43,7 @@ def random_value(rng, wire_type):
         return rng.random() < 0.5
     if wire_type is BYTES:
         return rng.randbytes(rng.choice([0, 1, 100, 1000]))
-    if wire_type in (INT_LIST, L.LOCK_LIST):
+    if wire_type in (INT_LIST, L.LOCK_LIST, PARTITION_IDS):
         return tuple(rng.randint(-2 ** 31, 2 ** 31 - 1) for _ in range(rng.choice([0, 1, 3])))
     if isinstance(wire_type, ListOf):
         records = [Record.create(rng.randint(0, 2 ** 40), RID, rng.randint(-5, 5), rng.randbytes(rng.randint(0, 50)))
@@ -245,3 +245,15 @@ def test_batch_request_ids_over_the_limit_are_refused_before_they_are_read():
     claim[1 + 16:1 + 16 + 4] = (2 ** 30).to_bytes(4, "big")
     with pytest.raises(DecodeError, match="over the limit"):
         L.CLIENT_CODEC.decode(bytes(claim), 5)
+
+
+def test_partition_id_lists_are_bounded_by_the_most_partitions_a_cluster_has():
+    from waltz.protocols import admin_messages as am
+    from waltz.protocols.codec import MAX_PARTITION_IDS
+    from waltz.zk.metadata import MAX_PARTITIONS
+    assert MAX_PARTITION_IDS == MAX_PARTITIONS
+    over = tuple(range(MAX_PARTITION_IDS + 1))
+    for codec, message, version in ((L.CLIENT_CODEC, L.AddPreferredPartitionRequest(RID, over), 4),
+                                    (am.ADMIN_CODEC, am.PartitionAvailableRequest(1, over, True), 0)):
+        with pytest.raises(DecodeError, match="over the limit of %d" % MAX_PARTITION_IDS):
+            codec.decode(generic(codec).encode(message, version), version)

@@ -44,6 +44,7 @@ SCALARS = {
     C.INT_LIST: st.lists(i32s, max_size=5).map(tuple),
     L.LOCK_LIST: st.lists(i32s, max_size=5).map(tuple),
     L.BATCH_IDS: st.lists(i64s, max_size=5).map(tuple),
+    C.PARTITION_IDS: st.lists(i32s, max_size=5).map(tuple),
     C.BYTES: small_bytes,
     C.STRING: texts,
     C.OPT_STRING: st.none() | texts,

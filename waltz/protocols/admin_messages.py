@@ -12,7 +12,7 @@ import uuid
 import attr
 
 from waltz.protocols.codec import (
-    BOOL, I32, I64, INT_LIST, RECORD, STRING, UUID, ListOf, MessageCodec, PairOf, wire)
+    BOOL, I32, I64, PARTITION_IDS, RECORD, STRING, UUID, ListOf, MessageCodec, PairOf, wire)
 from waltz.protocols.storage_messages import EXCEPTION_INFO, ExceptionInfo
 
 #: Protocol versions of family ``A``.
@@ -58,7 +58,7 @@ class PartitionAvailableRequest(AdminMessage):
     """Mark partitions available (online) or unavailable on the storage node."""
 
     TYPE = 4
-    partition_ids: tuple = wire(INT_LIST)
+    partition_ids: tuple = wire(PARTITION_IDS)
     available: bool = wire(BOOL)
 
 
@@ -67,7 +67,7 @@ class PartitionReadRequest(AdminMessage):
     """Mark partitions readable or unreadable (this project's addition, code unused in the original)."""
 
     TYPE = 5
-    partition_ids: tuple = wire(INT_LIST)
+    partition_ids: tuple = wire(PARTITION_IDS)
     readable: bool = wire(BOOL)
 
 
@@ -76,7 +76,7 @@ class PartitionAssignmentRequest(AdminMessage):
     """Assign (create) or unassign partitions, optionally deleting the unassigned partitions' files."""
 
     TYPE = 6
-    partition_ids: tuple = wire(INT_LIST)
+    partition_ids: tuple = wire(PARTITION_IDS)
     assign: bool = wire(BOOL)
     delete_files: bool = wire(BOOL)
 
@@ -154,7 +154,7 @@ class PartitionWriteRequest(AdminMessage):
     """Mark partitions writable or unwritable (this project's addition)."""
 
     TYPE = 15
-    partition_ids: tuple = wire(INT_LIST)
+    partition_ids: tuple = wire(PARTITION_IDS)
     writable: bool = wire(BOOL)
 
 

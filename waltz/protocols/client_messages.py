@@ -23,7 +23,7 @@ import enum
 import attr
 
 from waltz.protocols.codec import (
-    BOOL, BYTES, I32, I64, INT_LIST, OPT_STRING, RECORD, REQ_ID, STRING, EnumOf, ListOf, MessageCodec,
+    BOOL, BYTES, I32, I64, OPT_STRING, PARTITION_IDS, RECORD, REQ_ID, STRING, EnumOf, ListOf, MessageCodec,
     PairOf, bounded_int_list, bounded_long_list, wire)
 from waltz.protocols.locks import MAX_LOCKS_PER_KIND
 from waltz.protocols.values import ReqId, checksum
@@ -223,7 +223,7 @@ class ServerPartitionsAssignmentResponse(ClientMessage):
     """The partitions assigned to the server."""
 
     TYPE = 16
-    partition_ids: tuple = wire(INT_LIST)
+    partition_ids: tuple = wire(PARTITION_IDS)
 
 
 @_message
@@ -231,7 +231,7 @@ class AddPreferredPartitionRequest(ClientMessage):
     """Ask the server to prefer (take) these partitions."""
 
     TYPE = 17
-    partition_ids: tuple = wire(INT_LIST)
+    partition_ids: tuple = wire(PARTITION_IDS)
 
 
 @_message
@@ -247,7 +247,7 @@ class RemovePreferredPartitionRequest(ClientMessage):
     """Ask the server to stop preferring these partitions."""
 
     TYPE = 19
-    partition_ids: tuple = wire(INT_LIST)
+    partition_ids: tuple = wire(PARTITION_IDS)
 
 
 @_message

@@ -23,7 +23,8 @@ from collections.abc import Mapping
 import attr
 
 from waltz.protocols.compiled import compile_message
-from waltz.protocols.errors import ChecksumError, DecodeError, ProtocolError, UnexpectedMessageType, UnknownMessageType
+from waltz.protocols.errors import (
+    ChecksumError, DecodeError, ProtocolError, UnexpectedMessageType, UnknownMessageType)
 from waltz.protocols.primitives import Reader, Writer
 from waltz.protocols.values import Record, RecordHeader, ReqId, checksum
 
@@ -94,6 +95,10 @@ INT_LIST = Scalar("int[]", 4, Writer.int_array, Reader.int_array, nullable=False
                   converter=_to_int_tuple)
 
 
+#: The most partitions a cluster has (``waltz.zk.metadata.MAX_PARTITIONS``, which is checked to agree).
+MAX_PARTITION_IDS = 10_000
+
+
 def bounded_long_list(max_count: int) -> Scalar:
     """``i32 n, n × i64`` read in one struct call, whose decoders refuse a count above ``max_count`` before
     reading an item (ids the receiver answers one by one: a frame full of them would cost far more than
@@ -117,6 +122,10 @@ BYTES = Scalar("byte[]", 4, Writer.byte_array, Reader.byte_array, nullable=False
 STRING = Scalar("String", 4, Writer.string, Reader.string, nullable=False)
 #: UTF-8 string that may be null (length -1).
 OPT_STRING = Scalar("String?", 4, Writer.string, Reader.string)
+
+
+#: A list of partition ids: at most MAX_PARTITION_IDS (a message naming more names partitions no cluster has).
+PARTITION_IDS = bounded_int_list(MAX_PARTITION_IDS)
 
 
 @attr.s(frozen=True, slots=True, auto_attribs=True)
