@@ -29,8 +29,9 @@ chained Deferreds and whose state changes only through :meth:`_enter`
   ``UNDECIDABLE`` while missing votes could change the outcome. Members the
   new assignment dropped (*departing* voters) are asked too, while their
   storage still holds the partition: they vote, and may be copied from, but
-  are never written to beyond what voting needs and never join the new
-  session. Meanwhile the voters behind the highest
+  are never written to beyond what voting needs (being made consistent,
+  raising a vote) and never join the new session; the completed recovery
+  lets them go. Meanwhile the voters behind the highest
   vote copy up to it from a voter holding it (``RAISING_VOTE``) and vote
   again: once enough of them hold it, it is decided without the missing
   replicas (seed 000: it becomes decidable when a replica catches up).
@@ -140,6 +141,7 @@ class ReplicaRecovery:
         self._raised = False        # a copy raising the vote ran: max_transaction_id may be stale
         self._raise_waiters = []    # Deferreds fired when the copy raising the vote ends
         self._retry = None          # the DelayedCall of the next attempt after a failed step
+        self._let_go = False        # a departing voter released by the completed recovery (see release)
 
     def _enter(self, state):
         previous, self.state = self.state, state
@@ -162,7 +164,7 @@ class ReplicaRecovery:
         d.addCallbacks(self._released if self.departing else self._recovered, self._step_failed)
 
     def _unless_stopped(self, result, step):
-        if self.manager.stopped:
+        if self.manager.stopped or self._let_go:
             raise RecoveryAborted("recovery of session %d stopped" % self.manager.session_id)
         return step(result)
 
@@ -308,10 +310,24 @@ class ReplicaRecovery:
         """A departing voter's part ends with the resolution: the new session neither holds nor writes it."""
         if self.manager.stopped:
             return self._abandon(RecoveryAborted("recovery of session %d stopped" % self.manager.session_id))
-        self._enter(ReplicaRecoveryState.RELEASED)
-        self.done.callback(self.storage)
+        self.release()
+
+    def release(self):
+        """Let a departing voter go, whatever it is doing: the vote was resolved (with its vote, or without
+        it once the recovery completed, when its session closes). A step still running ends quietly, and no
+        attempt follows: a voter that never answered would otherwise be retried, logged and checked against
+        ZooKeeper every retry interval for as long as the new session lasts."""
+        self._let_go = True
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if not self.done.called:
+            self._enter(ReplicaRecoveryState.RELEASED)
+            self.done.callback(self.storage)
 
     def _step_failed(self, failure):
+        if self._let_go:
+            return None             # released meanwhile (see release): its steps no longer matter
         if failure.check(RecoveryAborted) or self.manager.stopped:
             return self._abandon(failure)
         if self.vote is None:
@@ -540,6 +556,13 @@ class RecoveryManager:
         holders = [other.replica for other in self._voters_holding(mark, recovery)]
         return read_from_any(holders, RECORDS, first, count, self._usher_failed)
 
+    def release_departing(self):
+        """The recovery completed (a quorum of the assigned replicas holds the mark): every departing voter is
+        let go, voted or not (:meth:`ReplicaRecovery.release`); their sessions close."""
+        for other in self.recoveries.values():
+            if other.departing:
+                other.release()
+
     def _voters_holding(self, mark, recovery):
         """The recoveries other than ``recovery`` of connected replicas that voted ``mark`` or more."""
         return [other for other in self.recoveries.values()
@@ -573,7 +596,13 @@ class RecoveryManager:
             return defer.fail(RecoveryAborted("recovery of partition %d session %d stopped"
                                               % (self.partition_id, self.session_id)))
         self._rebind_voters()
-        ushers = [other.replica for other in self._voters_holding(self.high_water_mark, recovery)
+        # Voters holding the mark, and the replicas recovered at it: once the recovery completes, the voters
+        # that decided it may all be departing ones, let go since, and only the recovered replicas hold it.
+        holders = self._voters_holding(self.high_water_mark, recovery)
+        holders += [self.recoveries[storage] for storage in sorted(self._recovered)
+                    if storage != recovery.storage and self.recoveries[storage] not in holders
+                    and self.recoveries[storage].replica.connected]
+        ushers = [other.replica for other in holders
                   if other.max_transaction_id is not None and other.max_transaction_id >= first]
         if ushers:
             return defer.succeed(ushers)

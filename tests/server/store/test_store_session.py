@@ -700,3 +700,67 @@ def test_a_departing_voter_votes_then_is_let_go_when_the_session_writes():
     assert set(session.joined) == {"new:1"} and not old.connected and session.departing == {}
     session.write(records(8, 1))
     assert len(new.log) == 9 and len(old.log) == 8
+
+
+class NeverConnecting(DummyReplica):
+    """A departing voter whose node is down: its wait for a connection ends only when its session closes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.waits = []
+
+    def when_connected(self):
+        self.waits.append(defer.Deferred())
+        return self.waits[-1]
+
+    def close(self):
+        super().close()
+        for wait in self.waits:
+            if not wait.called:
+                wait.cancel()
+
+
+def test_a_departing_voter_that_never_answered_is_let_go_when_the_others_decide():
+    # Before: its session closed when the recovery completed, and its recovery then retried (a log line and
+    # a ZooKeeper read) every half second for as long as the session wrote.
+    from waltz.zk.znodes import UNRESOLVED, PartitionMetadata, ReplicaId, ReplicaState
+    metadata = DummyMetadata()
+    metadata.value = PartitionMetadata(1, 2, tuple(ReplicaState(ReplicaId(0, s), 1, UNRESOLVED)
+                                                   for s in ("old:1", "a:1", "b:1")))
+    replicas = {s: DummyReplica(s, 2, records(0, 5)) for s in ("a:1", "b:1")}
+    for replica in replicas.values():
+        replica.last_session = (1, -1, -1)
+    old = NeverConnecting("old:1", 2, records(0, 5))
+    clock = Clock()
+    session = StoreSession(0, metadata.value, replicas, metadata, clock, departing={"old:1": old},
+                           recovery_retry_interval=0.5)
+    session.start()
+    assert session.state is SessionState.WRITING and session.high_water_mark == 4   # 2 of the 3 votes
+    for _ in range(20):
+        clock.advance(0.5)
+    assert clock.getDelayedCalls() == []
+    assert session.recovery.recoveries["old:1"].state.value == "released"
+
+
+def test_a_replica_recovering_after_the_departing_voters_were_let_go_copies_from_the_recovered_ones():
+    # The assignment moved {a, b, c} to {c, d, e} in one change: a and b decide 100, c and d catch up and the
+    # session writes; a and b are let go. Before: e, back later, waited for ever for a voter holding the mark
+    # to copy from (c voted 60, d not at all).
+    from waltz.zk.znodes import UNRESOLVED, PartitionMetadata, ReplicaId, ReplicaState
+    metadata = DummyMetadata()
+    metadata.value = PartitionMetadata(1, 2, tuple(ReplicaState(ReplicaId(0, s), 1, UNRESOLVED)
+                                                   for s in ("a:1", "b:1", "c:1")))
+    departing = {s: DummyReplica(s, 2, records(0, 101)) for s in ("a:1", "b:1")}
+    assigned = {"c:1": DummyReplica("c:1", 2, records(0, 61)), "d:1": DummyReplica("d:1", 2, []),
+                "e:1": JoiningReplica("e:1", 2, [])}
+    for replica in list(departing.values()) + [assigned["c:1"]]:
+        replica.last_session = (1, -1, -1)
+    clock = Clock()
+    session = StoreSession(0, metadata.value, assigned, metadata, clock, departing=departing,
+                           recovery_retry_interval=0.5)
+    session.start()
+    assert session.state is SessionState.WRITING and session.high_water_mark == 100
+    assert set(session.joined) == {"c:1", "d:1"} and not any(r.connected for r in departing.values())
+    assigned["e:1"].connect()
+    clock.advance(0.5)
+    assert len(assigned["e:1"].log) == 101 and set(session.joined) == {"c:1", "d:1", "e:1"}

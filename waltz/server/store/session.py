@@ -146,6 +146,7 @@ class StoreSession:
         return result
 
     def _close_departing(self):
+        self.recovery.release_departing()
         departing, self.departing = self.departing, {}
         for replica in departing.values():
             replica.close()
