@@ -10,8 +10,8 @@ Exits 1 when a check fails. See docs/demo.md.
 import sqlite3
 import sys
 
-from waltz.cli.cluster import quiet_kazoo, run_reactor
 from waltz import config
+from waltz.cli.cluster import quiet_kazoo, run_reactor
 from waltz.cli.common import CliError, argument_type, error_message, port, positive_int, positive_seconds, znode_path
 from waltz.demo.runner import ACCOUNT_NUMBERS_PER_RUN, DemoSettings, InstanceError, load_run, run_demo
 from waltz.demo.checks import verify

@@ -615,8 +615,9 @@ class MessageCodec:
         fast = {code: spec.fast_decode for code, spec in self._by_code.items()
                 if spec.fast_decode is not None and version >= spec.min_version}
         generic = self.decode
+        accepted = None if accepted is None else frozenset(accepted)
         refused = {} if accepted is None else {
-            code: spec.name for code, spec in self._by_code.items() if spec.cls not in frozenset(accepted)}
+            code: spec.name for code, spec in self._by_code.items() if spec.cls not in accepted}
 
         def decode(payload):
             if refused and payload and payload[0] in refused:

@@ -95,18 +95,17 @@ class Writer:
 
     def int_array(self, values) -> "Writer":
         """Append an i32 count followed by that many i32 values."""
-        values = tuple(values)
-        self.i32(len(values))
-        if values:
-            self._buf += struct.pack(">%di" % len(values), *values)
-        return self
+        return self._array(values, "i")
 
     def long_array(self, values) -> "Writer":
         """Append an i32 count followed by that many i64 values."""
+        return self._array(values, "q")
+
+    def _array(self, values, code):
         values = tuple(values)
         self.i32(len(values))
         if values:
-            self._buf += struct.pack(">%dq" % len(values), *values)
+            self._buf += struct.pack(">%d%s" % (len(values), code), *values)
         return self
 
     def uuid(self, value: uuid.UUID) -> "Writer":
@@ -199,26 +198,22 @@ class Reader:
     def int_array(self, what: str = "int[]", max_count: int = None) -> tuple:
         """An i32 count and that many i32; a count above ``max_count`` (when given) is refused
         before any item is read."""
-        count = self.i32(what + " count")
-        if count < 0:
-            raise DecodeError("bad %s count %d" % (what, count))
-        if max_count is not None and count > max_count:
-            raise DecodeError("%s count %d is over the limit of %d" % (what, count, max_count))
-        start = self._pos
-        self._take(4 * count, what)
-        return struct.unpack_from(">%di" % count, self._view, start) if count else ()
+        return self._array(what, max_count, 4, "i")
 
     def long_array(self, what: str = "long[]", max_count: int = None) -> tuple:
         """An i32 count and that many i64 (the wire's ``i32 n, n × i64``), in one struct call; a count
         above ``max_count`` (when given) is refused before any item is read."""
+        return self._array(what, max_count, 8, "q")
+
+    def _array(self, what, max_count, size, code):
         count = self.i32(what + " count")
         if count < 0:
             raise DecodeError("bad %s count %d" % (what, count))
         if max_count is not None and count > max_count:
             raise DecodeError("%s count %d is over the limit of %d" % (what, count, max_count))
         start = self._pos
-        self._take(8 * count, what)
-        return struct.unpack_from(">%dq" % count, self._view, start) if count else ()
+        self._take(size * count, what)
+        return struct.unpack_from(">%d%s" % (count, code), self._view, start) if count else ()
 
     def uuid(self, what: str = "uuid") -> uuid.UUID:
         return uuid.UUID(bytes=bytes(self._take(_UUID.size, what)))
