@@ -42,15 +42,18 @@ def argument_type(validate, expected):
 positive_int = argument_type(config.positive_int, "a positive integer")
 
 
-def _partition_count(text):
-    number = config.positive_int(text)
-    if number > MAX_PARTITIONS:
-        raise ValueError(number)
-    return number
+def positive_int_up_to(most, what):
+    """An argparse type: an integer from 1 to ``most``, refused as "expected <what> from 1 to <most>"."""
+    def parse(text):
+        number = config.positive_int(text)
+        if number > most:
+            raise ValueError(number)
+        return number
+    return argument_type(parse, "%s from 1 to %d" % (what, most))
 
 
 #: An argparse type: a cluster's number of partitions, 1 to :data:`~waltz.zk.metadata.MAX_PARTITIONS`.
-partition_count = argument_type(_partition_count, "a partition count from 1 to %d" % MAX_PARTITIONS)
+partition_count = positive_int_up_to(MAX_PARTITIONS, "a partition count")
 #: An argparse type: an integer >= 0 (ids, offsets).
 non_negative_int = argument_type(config.non_negative_int, "a non-negative integer")
 #: An argparse type: a TCP port number.

@@ -10,9 +10,9 @@ Exits 1 when a check fails. See docs/demo.md.
 import sqlite3
 import sys
 
-from waltz import config
 from waltz.cli.cluster import quiet_kazoo, run_reactor
-from waltz.cli.common import CliError, argument_type, error_message, port, positive_int, positive_seconds, znode_path
+from waltz.cli.common import (
+    CliError, error_message, port, positive_int, positive_int_up_to, positive_seconds, znode_path)
 from waltz.demo.runner import ACCOUNT_NUMBERS_PER_RUN, DemoSettings, InstanceError, load_run, run_demo
 from waltz.demo.checks import verify
 from waltz.local.daemons import DaemonError
@@ -70,15 +70,8 @@ def _print_checks(checks, run_dir=None):
     return 0 if passed else 1
 
 
-def _run_accounts(text):
-    number = config.positive_int(text)
-    if number > ACCOUNT_NUMBERS_PER_RUN:
-        raise ValueError(number)
-    return number
-
-
 #: An argparse type: the accounts of a run (its account numbers must not reach the next run's).
-_accounts = argument_type(_run_accounts, "a number of accounts from 1 to %d" % ACCOUNT_NUMBERS_PER_RUN)
+_accounts = positive_int_up_to(ACCOUNT_NUMBERS_PER_RUN, "a number of accounts")
 
 
 def register(subparsers):
