@@ -37,6 +37,11 @@ def push_assignment(reactor, storage, admin_port, partitions, params):
         proto.transport.loseConnection()
 
 
+def _first_failure(failure):
+    """The failure inside gatherResults' FirstError (a daemon that did not start says why)."""
+    return failure.value.subFailure if failure.check(defer.FirstError) else failure
+
+
 class LocalCluster:
     """ZooKeeper plus ``num_storages`` storage daemons, each holding every partition."""
 
@@ -73,24 +78,34 @@ class LocalCluster:
         yield self.zk_client.connect()
         self.metadata = ClusterMetadata(self.zk_client, self.root, reactor)
         self.params = yield self.metadata.create_cluster("local", self.num_partitions)
-        for index in range(self.num_storages):
-            yield self.add_storage(reactor, index)
+        yield self.add_storages(reactor, range(self.num_storages))
         return self
 
-    @defer.inlineCallbacks
     def add_storage(self, reactor, group):
         """Start one more storage daemon, register it in ``group`` and give it every partition."""
-        run_dir = os.path.join(self.run_dir, "storage%d" % len(self.storages))
-        daemon = local_storage(run_dir, self.connect_string, self.root, **self.storage_overrides)
-        self.storages.append(daemon)
-        yield threads.deferToThread(daemon.start)
-        name = self.storage_name(daemon)
-        admin_port = daemon.config["storage.admin.port"]
-        partitions = list(range(self.num_partitions))
-        yield self.metadata.edit_topology(
-            lambda t, p: t.add_storage(name, admin_port, group).assign(name, partitions, p.num_partitions))
-        yield push_assignment(reactor, name, admin_port, partitions, self.params)
-        return daemon
+        return self.add_storages(reactor, [group]).addCallback(lambda daemons: daemons[0])
+
+    @defer.inlineCallbacks
+    def add_storages(self, reactor, groups):
+        """Start one more storage daemon per group of ``groups``, all at once (a daemon's start-up is mostly
+        its imports and the wait for ``/ping``), then register each in its group and give it every
+        partition; fires with the daemons."""
+        daemons = []
+        for _ in groups:
+            run_dir = os.path.join(self.run_dir, "storage%d" % len(self.storages))
+            daemons.append(local_storage(run_dir, self.connect_string, self.root, **self.storage_overrides))
+            self.storages.append(daemons[-1])
+        yield defer.gatherResults([threads.deferToThread(daemon.start) for daemon in daemons],
+                                  consumeErrors=True).addErrback(_first_failure)
+        for daemon, group in zip(daemons, groups):
+            name = self.storage_name(daemon)
+            admin_port = daemon.config["storage.admin.port"]
+            partitions = list(range(self.num_partitions))
+            yield self.metadata.edit_topology(
+                lambda t, p, name=name, admin_port=admin_port, group=group:
+                t.add_storage(name, admin_port, group).assign(name, partitions, p.num_partitions))
+            yield push_assignment(reactor, name, admin_port, partitions, self.params)
+        return daemons
 
     @defer.inlineCallbacks
     def stop(self):
