@@ -1,4 +1,5 @@
-"""A bare client-server (``L``) connection that records every message it receives, for tests."""
+"""For tests: a bare client-server (``L``) connection that records every message it receives, and a recorder
+of the reasons any connection is closed with."""
 
 from waltz.protocols import client_messages as cm
 from waltz.protocols.base import WaltzProtocol
@@ -14,3 +15,10 @@ class RecordingClient(WaltzProtocol):
 
     def messageReceived(self, message):
         self.received.append(message)
+
+
+def closing_reasons(proto):
+    """The reasons ``proto`` (any :class:`WaltzProtocol`) is closed with, as they come."""
+    reasons, close = [], proto.close
+    proto.close = lambda reason, *args, **kwargs: (reasons.append(reason), close(reason, *args, **kwargs))
+    return reasons

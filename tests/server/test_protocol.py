@@ -15,7 +15,7 @@ from twisted.internet.testing import StringTransport
 from twisted.test import iosim
 
 from waltz.protocols import client_messages as cm
-from tests.protocols.recording import RecordingClient
+from tests.protocols.recording import RecordingClient, closing_reasons
 from waltz.protocols.framing import HEADER_SIZE, Hello, decode_frame_header, encode_frame
 from waltz.protocols.locks import lock_hash
 from waltz.protocols.values import ReqId
@@ -219,13 +219,6 @@ def test_a_message_a_client_may_not_send_closes_only_that_connection():
     good.dataReceived(frame(cm.HighWaterMarkRequest(rid(1))))
     assert frames_in(good_transport.value()) == [cm.HighWaterMarkResponse(rid(1), -1)]
     assert not good_transport.disconnecting
-
-
-def closing_reasons(proto):
-    """The reasons ``proto`` is closed with, as they come."""
-    reasons, close = [], proto.close
-    proto.close = lambda reason, *args, **kwargs: (reasons.append(reason), close(reason, *args, **kwargs))
-    return reasons
 
 
 def test_a_message_type_a_client_may_not_send_is_refused_before_its_body_is_decoded():

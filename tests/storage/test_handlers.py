@@ -6,6 +6,7 @@ import pytest
 from twisted.internet import defer
 from twisted.internet.testing import StringTransport
 
+from tests.protocols.recording import closing_reasons
 from waltz.metrics import Registry
 from waltz.protocols import admin_messages as am
 from waltz.protocols import storage_messages as sm
@@ -124,8 +125,7 @@ def test_a_response_sent_to_a_storage_port_is_refused_before_its_body_is_decoded
     proto = proto_class(StubNode())
     transport = StringTransport()
     proto.makeConnection(transport)
-    reasons, close = [], proto.close
-    proto.close = lambda reason, *args, **kwargs: (reasons.append(reason), close(reason, *args, **kwargs))
+    reasons = closing_reasons(proto)
     proto.dataReceived(Hello(tuple(codec.versions), "Peer").to_frame() + frame(codec, response))
     assert transport.disconnecting
     assert len(reasons) == 1 and reasons[0].startswith("message type %d (%s) is not one this side" % (
