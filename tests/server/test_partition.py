@@ -24,6 +24,7 @@ from waltz.protocols.client_messages import (
 from waltz.protocols.locks import lock_hash
 from waltz.protocols.values import Record, ReqId
 from waltz.server.caches import FeedCache, TransactionDataCache
+from waltz.server import partition as partition_module
 from waltz.server.partition import (
     AppendTaskState, ClientConnection, PartitionClosed, PartitionMetrics, PartitionSettings, PartitionState,
     ServerPartition)
@@ -529,6 +530,42 @@ def test_a_stale_connection_is_replaced_only_by_a_higher_generation_and_seq_num(
     new.closed = True
     h.partition.connection_closed(new)
     assert h.partition.mounted_clients == {}
+
+
+def test_an_older_connection_cannot_take_back_a_mount_released_by_a_newer_one():
+    h = Harness(records=1)
+    old, new, newest = DummyConnection("old"), DummyConnection("new"), DummyConnection("newest")
+    h.mount(old, client_hwm=0, seq_num=5)
+    h.mount(new, client_hwm=0, seq_num=6)
+    new.closed = True
+    h.partition.connection_closed(new)
+    assert h.partition.mounted_clients == {}
+    old.take()
+    h.mount(old, client_hwm=0, seq_num=5, mount_seq=1)
+    assert old.sent == [] and not h.partition.is_mounted(old, 1)
+    # Its appends are still dropped; a newer connection mounts, and another client is not fenced.
+    h.handle(old, append(1))
+    assert h.store.pending == []
+    h.mount(newest, client_hwm=0, seq_num=7)
+    assert newest.sent == [MountResponse(rid(0), MountState.READY)] and h.partition.is_mounted(newest, 1)
+    other = DummyConnection("other")
+    h.mount(other, client_hwm=0, seq_num=1, client=2)
+    assert h.partition.is_mounted(other, 2)
+
+
+def test_released_mount_keys_are_kept_for_a_bounded_number_of_clients(monkeypatch):
+    monkeypatch.setattr(partition_module, "RELEASED_MOUNTS_KEPT", 2)
+    h = Harness(records=1)
+    old = DummyConnection("old")
+    h.mount(old, client_hwm=0, seq_num=5)
+    for client in (1, 2, 3):
+        conn = DummyConnection("c%d" % client)
+        h.mount(conn, client_hwm=0, seq_num=6, client=client)
+        conn.closed = True
+        h.partition.connection_closed(conn)
+    # Client 1's floor, the oldest, was forgotten: its old connection may mount again.
+    h.mount(old, client_hwm=0, seq_num=5, mount_seq=1)
+    assert h.partition.is_mounted(old, 1)
 
 
 def test_a_remount_on_the_same_connection_with_the_same_key_is_accepted():

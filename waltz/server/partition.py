@@ -40,7 +40,10 @@ generation; feed requests only with the ReqId of the client's current mount,
 and not while that mount's catch-up still owes its READY; anything else is
 dropped and logged. A mount replaces the
 client's mounted connection only with a higher ``(generation, seq_num)``
-(reference PR #167); the replaced connection stops receiving the feed.
+(reference PR #167); the replaced connection stops receiving the feed. A
+mount released because its connection closed leaves its key behind as the
+client's floor: an older connection of the client still open cannot take the
+mount back (the last :data:`RELEASED_MOUNTS_KEPT` clients' floors are kept).
 
 **Back pressure.** :meth:`ServerPartition.handle` returns an unfired
 Deferred for an append it could not hand on at once; it fires when the append
@@ -304,6 +307,12 @@ def read_record_batch(store, ids, partition_id, max_bytes):
     return records
 
 
+#: How many clients' released mount keys a partition remembers (see the module doc, "Fencing"). Client ids are
+#: allocated once per client instance, so a floor matters only while an older connection of that client is
+#: still open; the oldest floors are forgotten first.
+RELEASED_MOUNTS_KEPT = 10_000
+
+
 def _mount_key(request: MountRequest) -> tuple:
     return (request.req_id.generation, request.seq_num)
 
@@ -345,6 +354,7 @@ class ServerPartition:
         self._in_flight = 0
         self._task_running = False
         self._mounts = {}                 # client id -> MountedClient
+        self._released_keys = {}          # client id -> key of its mount released by a closed connection
         self._serving_waiters = []
         self._listening = False
 
@@ -466,6 +476,14 @@ class ServerPartition:
         for client_id, mounted in list(self._mounts.items()):
             if mounted.connection is connection:
                 del self._mounts[client_id]
+                self._remember_released(client_id, mounted.key)
+
+    def _remember_released(self, client_id, key):
+        released = self._released_keys
+        released.pop(client_id, None)
+        released[client_id] = key
+        if len(released) > RELEASED_MOUNTS_KEPT:
+            del released[next(iter(released))]
 
     def connection_writable(self, connection):
         """``connection`` drained its write buffer: its feed may produce again."""
@@ -488,11 +506,17 @@ class ServerPartition:
             return None
         current = self._mounts.get(req_id.client_id)
         key = _mount_key(request)
-        if current is not None and not (key > current.key or
-                                        (key == current.key and current.connection is connection)):
-            self.log.info("partition {pid}: stale mount by client {client} {key} ignored (mounted: {current})",
-                          pid=self.partition_id, client=req_id.client_id, key=key, current=current.key)
+        if current is not None:
+            stale = not (key > current.key or (key == current.key and current.connection is connection))
+            floor = current.key
+        else:
+            floor = self._released_keys.get(req_id.client_id)
+            stale = floor is not None and key <= floor
+        if stale:
+            self.log.info("partition {pid}: stale mount by client {client} {key} ignored (mounted: {floor})",
+                          pid=self.partition_id, client=req_id.client_id, key=key, floor=floor)
             return None
+        self._released_keys.pop(req_id.client_id, None)
         if current is not None and current.connection is not connection:
             self.log.info("partition {pid}: client {client} remounts {key}, replacing {old}",
                           pid=self.partition_id, client=req_id.client_id, key=key, old=current.key)
