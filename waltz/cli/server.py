@@ -19,6 +19,7 @@ class _HealthQuery(WaltzProtocol):
 
     codec = m.CLIENT_CODEC
     hello_name = "Waltz CLI"
+    receives = m.CLIENT_CODEC.replies
 
     def __init__(self):
         super().__init__()

@@ -66,6 +66,7 @@ class ChecksumTolerantCodec:
         self._codec = codec
         self.magic = codec.magic
         self.versions = codec.versions
+        self.replies = codec.replies
 
     def encode(self, message, version):
         return self._codec.encode(message, version)
@@ -107,6 +108,8 @@ class ClientProtocol(WaltzProtocol):
     codec = CLIENT_SIDE_CODEC
     hello_name = "Waltz Client"
     owner = None
+    #: A request sent to a client closes the connection before its body is decoded.
+    receives = CLIENT_SIDE_CODEC.replies
 
     def connectionReady(self):
         self.owner.protocol_ready(self)

@@ -548,6 +548,14 @@ class MessageCodec:
         return self.magic.decode("ascii")
 
     @property
+    def replies(self) -> frozenset:
+        """The message classes the side that opened a connection receives: every class of the family but its
+        requests (in each family, the classes named ``...Request``; the side that accepted the connection
+        receives those). A client given ``decoder(version, codec.replies)`` refuses a request sent to it
+        before decoding its body, as the servers refuse a reply."""
+        return frozenset(cls for cls in self._by_class if not cls.__name__.endswith("Request"))
+
+    @property
     def specs(self) -> tuple:
         """Every row of the table, by type code."""
         return tuple(self._by_code[code] for code in sorted(self._by_code))

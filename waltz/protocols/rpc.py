@@ -65,6 +65,11 @@ class RequestClientProtocol(WaltzProtocol):
         # that saw it pending) without a clock read per request.
         self._ticks = collections.deque()
 
+    @property
+    def receives(self):
+        """The family's replies: a request sent to this side closes the connection before it is decoded."""
+        return self.codec.replies
+
     def connectionReady(self):
         self._pending[-1] = d = defer.Deferred()
         d.addCallbacks(self._open_accepted, self._open_refused)
