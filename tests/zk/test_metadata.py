@@ -8,7 +8,8 @@ from twisted.internet import defer, reactor, task
 
 from tests.conftest import TEST_PARTITIONS, zk_client_for
 from waltz.zk.errors import (ClusterExistsError, ClusterNotFoundError, ConcurrentUpdateError,
-                             GenerationMismatchError, LockTimeoutError, ServersRegisteredError,
+                             GenerationMismatchError, LockTimeoutError, PartialClusterError,
+                             ServersRegisteredError,
                              TopologyError, ZnodeDecodeError)
 from waltz.zk.lock import ZnodeMutex
 from waltz.zk.metadata import ClusterMetadata, RetryPolicy
@@ -52,6 +53,47 @@ async def test_create_cluster_writes_every_znode(zk_client, cluster_root):
 async def test_create_refuses_an_existing_root(cluster_metadata):
     with pytest.raises(ClusterExistsError, match="already exists"):
         await cluster_metadata.create_cluster("again", 2)
+
+
+@pytest.mark.parametrize("stop", ["error", "interrupt"])
+@pytest_twisted.ensureDeferred
+async def test_a_create_stopped_between_partition_batches_says_how_far_it_got_and_how_to_start_again(
+        zk_client, cluster_root, monkeypatch, stop):
+    # Before: the error was only the second batch's own ("connection lost", or "interrupted"), with nothing
+    # saying that a cluster root with 2 of its 5 partitions had been left behind.
+    from waltz.zk import metadata as metadata_module
+    monkeypatch.setattr(metadata_module, "PARTITION_BATCH", 2)
+    metadata = ClusterMetadata(zk_client, cluster_root)
+    transaction, commits, second_batch_sent = zk_client.transaction, [], defer.Deferred()
+
+    def failing_second_batch():
+        txn = transaction()
+        commit = txn.commit
+
+        def counted():
+            commits.append(True)
+            if len(commits) < 3:        # the cluster's own znodes, then the first batch
+                return commit()
+            if stop == "error":
+                return defer.fail(ConnectionLoss("connection lost"))
+            reactor.callLater(0, second_batch_sent.callback, None)
+            return defer.Deferred()     # hangs until cancelled
+        txn.commit = counted
+        return txn
+    monkeypatch.setattr(zk_client, "transaction", failing_second_batch)
+    created = metadata.create_cluster("demo", 5)
+    if stop == "interrupt":
+        await second_batch_sent
+        created.cancel()
+    with pytest.raises(PartialClusterError) as raised:
+        await created
+    cause = "connection lost" if stop == "error" else "an interrupt"
+    assert str(raised.value) == (
+        "cluster %s was left partly created (2 of 5 partition metadata znodes, at least) by: %s; delete it "
+        "(waltz cluster delete) and create it again" % (cluster_root, cause))
+    monkeypatch.setattr(zk_client, "transaction", transaction)
+    await metadata.delete_cluster()
+    assert await zk_client.exists(cluster_root) is None
 
 
 @pytest.mark.parametrize("count", [0, 10001, 2 ** 31 - 1])

@@ -108,7 +108,9 @@ def run_reactor(function, *args):
     except SystemExit:
         pass
     if interrupted:
-        raise KeyboardInterrupt()
+        # What the command's clean-up said of the interrupt (not the bare cancellation) goes with it.
+        said = outcome and isinstance(outcome[0], Failure) and not outcome[0].check(defer.CancelledError)
+        raise KeyboardInterrupt(*([str(outcome[0].value)] if said else []))
     if isinstance(outcome[0], Failure):
         outcome[0].raiseException()
     return outcome[0]

@@ -52,8 +52,8 @@ def main(argv=None):
     try:
         args = build_parser().parse_args(argv)     # (imports the command modules: interruptible here)
         status = args.func(args) or 0
-    except KeyboardInterrupt:
-        print("waltz: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        print("waltz: interrupted%s" % ("".join(": %s" % arg for arg in interrupt.args[:1])), file=sys.stderr)
         status = 130
     except Exception as exc:
         status = report_error(exc)

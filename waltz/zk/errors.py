@@ -34,6 +34,11 @@ class ClusterExistsError(ZooKeeperLayerError):
     """``create`` found the cluster root already there."""
 
 
+class PartialClusterError(ZooKeeperLayerError):
+    """``create`` failed, or was interrupted, after the cluster root was created and before every partition's
+    metadata znode was: the message says how far it got and how to start again."""
+
+
 class ServersRegisteredError(ZooKeeperLayerError):
     """A destructive edit was refused because Waltz servers are registered."""
 

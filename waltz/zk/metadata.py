@@ -30,7 +30,8 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 
 from waltz.zk.errors import (ClusterExistsError, ClusterNotFoundError, ConcurrentUpdateError,
-                             GenerationMismatchError, ServersRegisteredError, ZnodeDecodeError, swallow)
+                             GenerationMismatchError, PartialClusterError, ServersRegisteredError,
+                             ZnodeDecodeError, swallow)
 from waltz.zk.lock import ZnodeMutex
 from waltz.zk.topology import StoreTopology
 from waltz.zk.znodes import (EMPTY_PARTITION_METADATA, ClusterParams, ClusterPaths, ConnectionMetadata,
@@ -79,6 +80,13 @@ class ClusterDescription:
     partitions: tuple          # (partition id, PartitionMetadata or None), by id
     servers: tuple             # (znode name, ServerDescriptor), by name
     assignment: PartitionAssignment
+
+
+def _describe(exc) -> str:
+    """What stopped a command, for a message: an interrupt, or the error's own text."""
+    if isinstance(exc, defer.CancelledError):
+        return "an interrupt"
+    return str(exc) or type(exc).__name__
 
 
 class ClusterMetadata:
@@ -335,11 +343,20 @@ class ClusterMetadata:
             yield txn.commit()
         except NodeExistsError:
             raise ClusterExistsError("cluster root %s already exists" % paths.root) from None
-        for first in range(0, num_partitions, PARTITION_BATCH):
-            txn = self.zk.transaction()
-            for pid in range(first, min(first + PARTITION_BATCH, num_partitions)):
-                txn.create(paths.partition(pid), EMPTY_PARTITION_METADATA.encode())
-            yield txn.commit()
+        created = 0
+        try:
+            for first in range(0, num_partitions, PARTITION_BATCH):
+                txn = self.zk.transaction()
+                last = min(first + PARTITION_BATCH, num_partitions)
+                for pid in range(first, last):
+                    txn.create(paths.partition(pid), EMPTY_PARTITION_METADATA.encode())
+                yield txn.commit()
+                created = last
+        except Exception as exc:   # CancelledError (an interrupt) included
+            raise PartialClusterError(
+                "cluster %s was left partly created (%d of %d partition metadata znodes, at least) by: %s; "
+                "delete it (waltz cluster delete) and create it again"
+                % (paths.root, created, num_partitions, _describe(exc))) from exc
         return store
 
     @defer.inlineCallbacks
