@@ -38,7 +38,7 @@ def setup():
     network = FakeNetwork(clock)
     server = network.add_server(EP_A, FakeServer(FakeStore(1), [0]))
     listener = Listener()
-    conn = ManagedConnection(EP_A, "stream", listener, network.connect, clock, Backoff(0.1, 0.4),
+    conn = ManagedConnection(EP_A, "stream", listener, network.connect, clock, Backoff(0.1, 0.4, jitter=0),
                              itertools.count(10))
     return clock, network, server, listener, conn
 
@@ -133,10 +133,38 @@ def test_close_stops_being_the_transports_producer(setup):
 
 
 def test_backoff_resets_after_success():
-    backoff = Backoff(0.1, 1.0)
+    backoff = Backoff(0.1, 1.0, jitter=0)
     assert [backoff.next_delay() for _ in range(6)] == [0.0, 0.1, 0.2, 0.4, 0.8, 1.0]
     backoff.reset()
     assert backoff.next_delay() == 0.0
+
+
+class _Draws:
+    """A ``random.Random`` stand-in returning given draws."""
+
+    def __init__(self, *draws):
+        self._draws = iter(draws)
+
+    def random(self):
+        return next(self._draws)
+
+
+def test_reconnect_delays_are_shortened_by_a_random_part_of_up_to_the_jitter():
+    # Before: every client of a server that went away retried at the same instants (0, 0.1, 0.3, 0.7 s ...).
+    backoff = Backoff(0.1, 0.4, jitter=0.5, rng=_Draws(0.0, 1.0, 0.5, 0.25))
+    delays = [backoff.next_delay() for _ in range(5)]
+    assert delays == pytest.approx([0.0, 0.1, 0.1, 0.3, 0.35])
+    assert Backoff(0.1, 0.4).jitter == 0.5          # the default
+    with pytest.raises(ValueError, match="jitter is a fraction"):
+        Backoff(0.1, 0.4, jitter=1)
+
+
+def test_two_clients_backing_off_from_the_same_server_do_not_retry_in_step():
+    first, second = Backoff(0.1, 5.0), Backoff(0.1, 5.0)
+    a = [first.next_delay() for _ in range(8)]
+    b = [second.next_delay() for _ in range(8)]
+    assert a[0] == b[0] == 0.0 and a[1:] != b[1:]
+    assert all(0.5 * d <= x <= d for x, d in zip(a[1:], (0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0)))
 
 
 def test_a_corrupt_data_response_decodes_to_a_mismatch_marker():
@@ -173,8 +201,8 @@ def test_a_peer_that_accepts_and_never_says_hello_is_dropped_and_retried():
         proto.makeConnection(transport)
         transports.append((proto, transport))
         return defer.succeed(proto)
-    conn = ManagedConnection(EP_A, "stream", Listener(), silent, clock, Backoff(0.1, 0.4), itertools.count(10),
-                             handshake_timeout=5.0)
+    conn = ManagedConnection(EP_A, "stream", Listener(), silent, clock, Backoff(0.1, 0.4, jitter=0),
+                             itertools.count(10), handshake_timeout=5.0)
     conn.start()
     proto, transport = transports[0]
     clock.advance(4.9)
@@ -203,7 +231,7 @@ def test_a_back_off_that_could_not_grow_is_refused():
     # the reactor against a dead server.
     with pytest.raises(ValueError, match="initial delay above 0"):
         Backoff(0, 5.0)
-    backoff = Backoff(10.0, 0.05)           # an initial delay above the maximum is capped, as before
+    backoff = Backoff(10.0, 0.05, jitter=0)         # an initial delay above the maximum is capped, as before
     assert [backoff.next_delay() for _ in range(3)] == [0.0, 0.05, 0.05]
     from waltz.config import ConfigError
     from tests.client.fakes import BASE_CONFIG

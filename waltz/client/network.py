@@ -18,6 +18,7 @@ Connection states: ``IDLE`` → ``CONNECTING`` → ``READY`` → (lost) ``BACKIN
 """
 
 import enum
+import random
 
 import attr
 from twisted.internet import defer, endpoints
@@ -144,21 +145,35 @@ def tcp_connector(reactor, timeout):
     return connect
 
 
+#: The part of each reconnect delay drawn at random (see :class:`Backoff`).
+RECONNECT_JITTER = 0.5
+
+
 class Backoff:
     """Reconnect delays: 0 first, then ``initial`` doubling up to ``maximum``; :meth:`reset` once a
-    connection has served at least ``maximum`` seconds."""
+    connection has served at least ``maximum`` seconds.
 
-    def __init__(self, initial, maximum):
+    Each delay after the first is shortened by a random part of up to ``jitter`` of it (drawn with
+    ``rng``): the clients of a server that went away would otherwise retry in step, every one of them at
+    the same instants, against the server that comes back (or takes its partitions over)."""
+
+    def __init__(self, initial, maximum, jitter=RECONNECT_JITTER, rng=None):
         if not initial > 0:
             # 0 would never double: every attempt would follow the last at once, a busy loop.
             raise ValueError("reconnect back-off needs an initial delay above 0, not %r" % (initial,))
+        if not 0 <= jitter < 1:
+            raise ValueError("reconnect jitter is a fraction from 0 up to 1, not %r" % (jitter,))
         self.initial = initial
         self.maximum = maximum
+        self.jitter = jitter
+        self._rng = rng if rng is not None else random.Random()
         self._next = 0.0
 
     def next_delay(self) -> float:
         delay = self._next
         self._next = min(self.maximum, max(self.initial, 2 * self._next))
+        if delay and self.jitter:
+            delay -= delay * self.jitter * self._rng.random()
         return delay
 
     def reset(self):
