@@ -13,7 +13,8 @@ from waltz.storage import fileio as fileio_module
 from waltz.storage import partition_log as partition_log_module
 from waltz.storage import segment as segment_module
 from waltz.storage.errors import (
-    CorruptedRecord, RecordChecksumMismatch, StorageClosed, StorageError, SyncFailed, TransactionIdOutOfSequence)
+    CorruptedRecord, RecordChecksumMismatch, SegmentError, StorageClosed, StorageError, SyncFailed,
+    TransactionIdOutOfSequence)
 from waltz.storage.partition_log import PartitionLog
 from waltz.storage.segment import RECORD_OVERHEAD, data_file_name, index_file_name
 
@@ -433,14 +434,29 @@ def test_a_truncation_that_fails_to_delete_a_newer_segment_makes_the_log_unusabl
 def test_a_truncation_that_fails_to_cut_the_segment_to_keep_makes_the_log_unusable(small_log, monkeypatch):
     small_log.append(small_records(0, 12))   # segments 0, 4, 8
 
-    def eio(segment, count, data_size):
+    def eio(fd, size, name):
         raise OSError(5, "Input/output error")
-    monkeypatch.setattr(segment_module.Segment, "_cut", eio)
+    monkeypatch.setattr(segment_module, "truncate_durably", eio)
     with pytest.raises(OSError, match="Input/output error"):
         small_log.truncate(6)
     monkeypatch.undo()
     with pytest.raises(StorageError, match="unusable: truncation to 6 could not cut segment 4"):
         small_log.check_usable()
+
+
+def test_a_batch_whose_roll_is_refused_writes_nothing(small_log):
+    # Before: only an OSError undid the batch; a roll refused with SegmentError (a stray segment file with the
+    # next segment's name) left the records written before the roll in the log, while the append failed.
+    small_log.append(small_records(0, 4))                   # segment 0 is full: the next record rolls
+    stray = os.path.join(small_log.directory, data_file_name(8))
+    small_log.append(small_records(4, 2))                   # segment 4: records 6 and 7 fit, 8 rolls
+    open(stray, "wb").close()
+    with pytest.raises(SegmentError, match="already exists"):
+        small_log.append(small_records(6, 3))
+    assert small_log.max_transaction_id == 5 and small_log.read_records(0, 20) == small_records(0, 6)
+    os.unlink(stray)
+    small_log.append(small_records(6, 3))
+    assert small_log.read_records(0, 20) == small_records(0, 9)
 
 
 def test_truncate_to_minus_one_empties_the_partition(small_log):

@@ -337,8 +337,111 @@ def test_recovery_scans_from_the_local_low_water_mark_or_the_checkpoint(tmp_path
     log = open_log(tmp_path, local_low_water_mark=200)
     assert (log.recovery.scan_from, log.recovery.records_scanned) == (1000, 500)
     log.close()
-    log = open_log(tmp_path, local_low_water_mark=5000)  # stale or restored files: clamped to the index
-    assert log.max_transaction_id == 1499
+    # Files behind their control record (restored, or lost segments): the log would vote shorter than it was.
+    with pytest.raises(CorruptedRecord, match="partition 3: the log ends at transaction 1499, below its local "
+                                              "low-water mark 5000 .*refusing to open a shorter log"):
+        open_log(tmp_path, local_low_water_mark=5000)
+
+
+def test_a_data_file_ending_cleanly_before_its_last_trusted_record_fails_the_open(tmp_path):
+    # Before: a data file that lost its tail at a record boundary opened with the shorter log (499), which the
+    # replica then reported and voted with, although records up to 999 had been synced (checkpoint 1000).
+    records = written_log(tmp_path, 1005)
+    data_path, _index_path = segment_paths(tmp_path)
+    os.truncate(data_path, record_offsets(records)[500])
+    with pytest.raises(CorruptedRecord, match="the data ends after record 499, but records up to 999 were synced: "
+                                              "damage or a lost tail; refusing to open a shorter log"):
+        open_log(tmp_path)
+
+
+def test_a_truncation_stopped_after_cutting_the_index_reopens_as_before_it(tmp_path, monkeypatch):
+    # The index is cut first: a crash before the data file is cut leaves every record (an unacknowledged
+    # truncation, as if it had not started), never an index longer than the data, which opens as damage.
+    from waltz.storage import segment as segment_module
+    records = written_log(tmp_path, 1500)
+    log = open_log(tmp_path)
+    cut_durably = segment_module.truncate_durably
+
+    def crash_before_the_data_cut(fd, size, name):
+        if name.endswith(".seg"):
+            raise OSError(5, "the machine stopped here")
+        cut_durably(fd, size, name)
+    monkeypatch.setattr(segment_module, "truncate_durably", crash_before_the_data_cut)
+    with pytest.raises(OSError):
+        log.truncate(1200)
+    monkeypatch.undo()
+    data_path, index_path = segment_paths(tmp_path)
+    assert len(read_index(index_path)) == 1201 and os.path.getsize(data_path) > record_offsets(records)[1201]
+    log.close()
+    log = open_log(tmp_path)
+    assert log.max_transaction_id == 1499 and log.read_records(1195, 10) == records[1195:1205]
+    log.truncate(1200)
+    log.close()
+    log = open_log(tmp_path)
+    assert log.max_transaction_id == 1200 and os.path.getsize(data_path) == record_offsets(records)[1201]
+    log.close()
+
+
+@pytest.mark.parametrize("old_size, size, cuts", [
+    (12_000, 5_000, [8192, 5000]),      # inside a page: first at that page's end, then exactly
+    (10_000, 9_000, [9000]),            # inside the last page: nothing after it to keep from zeros
+    (12_000, 8192, [8192]),             # on a page boundary: no page is zeroed
+])
+def test_a_durable_cut_never_zeroes_bytes_before_the_old_end_without_the_new_size(tmp_path, monkeypatch,
+                                                                                  old_size, size, cuts):
+    # Cutting inside a page zeroes the rest of it; a power loss could keep those zeros and not the new size,
+    # and records still synced there (a truncation's kept index entries, say) would read as damage.
+    from waltz.storage import fileio
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * old_size)
+    calls, ftruncate, datasync = [], os.ftruncate, fileio.datasync
+    monkeypatch.setattr(fileio.os, "ftruncate", lambda fd, n: (calls.append(("cut", n)), ftruncate(fd, n))[1])
+    monkeypatch.setattr(fileio, "datasync", lambda fd: (calls.append(("sync",)), datasync(fd))[1])
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fileio.truncate_durably(fd, size, str(path))
+    finally:
+        os.close(fd)
+    assert calls == [step for cut in cuts for step in (("cut", cut), ("sync",))]
+    assert path.read_bytes() == b"x" * size
+
+
+def test_a_truncation_cuts_index_and_data_each_durably_index_first(tmp_path, monkeypatch):
+    from waltz.storage import segment as segment_module
+    written_log(tmp_path, 1500)
+    log = open_log(tmp_path)
+    cuts, cut_durably = [], segment_module.truncate_durably
+    monkeypatch.setattr(segment_module, "truncate_durably",
+                        lambda fd, size, name: (cuts.append(os.path.splitext(name)[1]), cut_durably(fd, size, name))[1])
+    monkeypatch.setattr(index_module, "truncate_durably",
+                        lambda fd, size, name: (cuts.append(os.path.splitext(name)[1]), cut_durably(fd, size, name))[1])
+    log.truncate(1200)
+    assert cuts == [".idx", ".seg"]
+    log.close()
+
+
+def test_recovery_syncs_the_records_it_scanned_before_indexing_them(tmp_path, monkeypatch):
+    # An index entry at or above a checkpoint makes the records below it trusted at the next open: written
+    # before those records were synced, a power loss could leave it pointing past the data's end.
+    from waltz.storage import segment as segment_module
+    records = written_log(tmp_path, 1005)
+    _data_path, index_path = segment_paths(tmp_path)
+    with open(index_path, "r+b") as f:
+        f.truncate(128 + 8 * 990)       # the index lost its last entries: recovery rewrites them
+    events, datasync, pwrite = [], segment_module.datasync, index_module.pwrite_all
+
+    def data_sync(fd):
+        events.append("data sync")
+        return datasync(fd)
+
+    def index_write(fd, data, offset):
+        events.append("index write")
+        return pwrite(fd, data, offset)
+    monkeypatch.setattr(segment_module, "datasync", data_sync)
+    monkeypatch.setattr(index_module, "pwrite_all", index_write)
+    log = open_log(tmp_path)
+    assert log.max_transaction_id == 1004 and read_index(index_path) == record_offsets(records)
+    assert "index write" in events and events.index("data sync") < events.index("index write")
     log.close()
 
 

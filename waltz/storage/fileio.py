@@ -57,6 +57,28 @@ def make_directory_durably(path: str) -> None:
     fsync_directory(parent)
 
 
+#: The unit in which a file system writes a file's data back (a page).
+PAGE_SIZE = 4096
+
+
+def truncate_durably(fd: int, size: int, name: str) -> None:
+    """Cut the file to ``size`` bytes and make that durable, never leaving zeros before the old end.
+
+    Cutting inside a page zeroes the rest of that page, and a power loss may keep those zeros on disk
+    without the new size: the bytes after the cut, up to the page's end, would read as zeros while the
+    file kept its old length. So the file is first cut at the end of that page and synced (a cut on a
+    page boundary zeroes nothing), then at ``size``: after a power loss, zeros can stand only between
+    ``size`` and the end of the file."""
+    old_size = file_size(fd)
+    page_end = -(-size // PAGE_SIZE) * PAGE_SIZE
+    for cut in ((page_end, size) if size < page_end < old_size else (size,)):
+        os.ftruncate(fd, cut)
+        try:
+            datasync(fd)
+        except OSError as exc:
+            raise SyncFailed("fdatasync of %s failed: %s" % (name, exc)) from exc
+
+
 def file_size(fd: int) -> int:
     """The current size of an open file."""
     return os.fstat(fd).st_size

@@ -13,7 +13,7 @@ calls it at checkpoints, roll, truncate, set-LWM and close).
 import os
 import struct
 
-from waltz.storage.fileio import datasync, file_size, pread_upto, pwrite_all
+from waltz.storage.fileio import datasync, file_size, pread_upto, pwrite_all, truncate_durably
 
 #: Size of the header shared by data and index files.
 FILE_HEADER_SIZE = 128
@@ -67,6 +67,13 @@ class SegmentIndex:
         os.ftruncate(self._fd, _position(count))
         self._count = count
         self._dirty = True
+
+    def cut_durably(self, count: int) -> None:
+        """Keep the first ``count`` entries, durably, never leaving zeroed entries before the old end
+        (:func:`~waltz.storage.fileio.truncate_durably`)."""
+        truncate_durably(self._fd, _position(count), self.path)
+        self._count = count
+        self._dirty = False
 
     def sync(self) -> None:
         """fdatasync the index file if anything was written since the last sync."""

@@ -23,7 +23,8 @@ import time
 import uuid
 
 from waltz.storage.errors import (
-    RecordChecksumMismatch, SegmentError, StorageClosed, StorageError, SyncFailed, TransactionIdOutOfSequence,
+    CorruptedRecord, RecordChecksumMismatch, SegmentError, StorageClosed, StorageError, SyncFailed,
+    TransactionIdOutOfSequence,
 )
 from waltz.storage.fileio import fsync_directory, make_directory_durably
 from waltz.storage.segment import (
@@ -126,6 +127,13 @@ class PartitionLog:
         log._segment_ids = list_segments(log.directory)
         if log._segment_ids:
             log._active, log.recovery = log._open_recovered(log._segment_ids[-1], local_low_water_mark)
+        end = log.max_transaction_id
+        if end < local_low_water_mark:
+            # The mark is the log's end when it was set, synced first, and no truncation goes below it.
+            log.close()
+            raise CorruptedRecord("partition %d: the log ends at transaction %d, below its local low-water mark %d "
+                                  "(the records up to it were synced): damage or lost segment files; refusing to "
+                                  "open a shorter log" % (partition_id, end, local_low_water_mark))
         return log
 
     # -- state -------------------------------------------------------------------------------
@@ -190,8 +198,9 @@ class PartitionLog:
                 end = self._fitting(segment, encoded, pos)
                 segment.append(encoded[pos:end])
                 pos = end
-        except OSError:
-            self.truncate(before)  # a batch is all or nothing, even on I/O errors
+        except (OSError, SegmentError):
+            # A batch is all or nothing, even on I/O errors, or a roll refused (a stray segment file in the way).
+            self.truncate(before)
             raise
 
     def _validate(self, records) -> None:

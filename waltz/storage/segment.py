@@ -35,7 +35,7 @@ import attr
 
 from waltz.protocols.values import Record, ReqId, checksum, checksum_update
 from waltz.storage.errors import CorruptedRecord, SegmentError, StorageClosed, StorageError, SyncFailed
-from waltz.storage.fileio import datasync, file_size, fsync_directory, pread_upto, pwrite_all
+from waltz.storage.fileio import datasync, file_size, fsync_directory, pread_upto, pwrite_all, truncate_durably
 from waltz.storage.index import FILE_HEADER_SIZE, SegmentIndex
 
 FORMAT_VERSION = 0
@@ -404,8 +404,10 @@ class Segment:
 
         Damage that cannot be such an end raises
         :class:`~waltz.storage.errors.CorruptedRecord` instead of cutting: a bad
-        last trusted record (everything up to it was synced), or a bad record
-        followed by a sound one (a complete record was written after it). Cutting
+        last trusted record (everything up to it was synced), a data file that ends
+        cleanly before the last trusted record (a truncation cuts the index first,
+        so no crash leaves that), or a bad record followed by a sound one (a
+        complete record was written after it). Cutting
         there would drop records that may have been acknowledged, and the replica
         would report, and vote with, a shorter log than it was sent.
 
@@ -423,13 +425,21 @@ class Segment:
         scanner = RecordScanner(self.data_path, offset, txn)
         offsets = [scanned.offset for scanned in scanner]
         problem = scanner.problem
-        if problem is not None:
-            last_trusted = self.first_transaction_id + trusted - 1
-            if scanner.next_transaction_id <= last_trusted:
+        last_trusted = self.first_transaction_id + trusted - 1
+        if scanner.next_transaction_id <= last_trusted:
+            if problem is not None:
                 raise CorruptedRecord("%s: %s, but it was synced: damage, not a torn write; refusing to cut the "
                                       "log there" % (self.data_path, scanner.problem))
+            raise CorruptedRecord("%s: the data ends after record %d, but records up to %d were synced: damage or "
+                                  "a lost tail; refusing to open a shorter log"
+                                  % (self.data_path, scanner.next_transaction_id - 1, last_trusted))
+        if problem is not None:
             problem = self._check_torn_end(scanner.end_offset, scanner.next_transaction_id, problem)
         start = txn - self.first_transaction_id
+        # The records scanned reach the disk before the index entries pointing at them: an entry at or above a
+        # checkpoint makes the records below it trusted at the next open (_trusted_entries).
+        self._data_dirty = True
+        self.sync()
         self._index.write(start, offsets)
         self._index.truncate(start + len(offsets))  # also drops a torn trailing entry
         truncated = self._data_size - scanner.end_offset
@@ -569,8 +579,15 @@ class Segment:
                                % (self.data_path, transaction_id, self.first_transaction_id))
         if keep >= self._index.count:
             return
-        self._cut(keep, self._index.offset(keep))
-        self.sync(index=True)
+        data_size = self._index.offset(keep)
+        # The kept records reach the disk first, then the index is cut, then the data file, each durably. After
+        # a crash in between, the index never holds an entry past the data's end: a data file ending before
+        # its last trusted entry is damage (see recover), never an unfinished truncation.
+        self.sync()
+        self._index.cut_durably(keep)
+        truncate_durably(self._data_fd, data_size, self.data_path)
+        self._data_size = data_size
+        self._data_dirty = False
 
     def _cut(self, count: int, data_size: int) -> None:
         os.ftruncate(self._data_fd, data_size)
