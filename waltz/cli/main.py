@@ -53,7 +53,8 @@ def main(argv=None):
         args = build_parser().parse_args(argv)     # (imports the command modules: interruptible here)
         status = args.func(args) or 0
     except KeyboardInterrupt as interrupt:
-        print("waltz: interrupted%s" % ("".join(": %s" % arg for arg in interrupt.args[:1])), file=sys.stderr)
+        said = ": %s" % interrupt.args[0] if interrupt.args else ""     # what the command left behind, if it says
+        print("waltz: interrupted" + said, file=sys.stderr)
         status = 130
     except Exception as exc:
         status = report_error(exc)
