@@ -98,3 +98,34 @@ def test_clients_are_told_a_lost_partition_is_not_served_here():
     proto.messageReceived(cm.MountRequest(ReqId(1, 1, 0, 2), -1, 0))
     assert not sent[0].ok and "is not served here" in sent[0].error
     assert sent[1].state is cm.MountState.NOT_READY
+
+
+def test_once_closed_for_a_stop_an_assignment_opens_nothing():
+    store, made, lost, partitions = make()
+    partitions.assign({0: 3})
+    partitions.close_all()
+    assert made[0].closed and partitions.opened == {}
+    partitions.assign({0: 3, 1: 2})         # a watch event while the membership is still stopping
+    assert partitions.opened == {} and len(made) == 1
+
+
+def test_a_stopping_server_closes_its_partitions_before_its_membership_stops():
+    # Before: membership.stop() came first. It stops every give-up, then waits for ZooKeeper to delete the
+    # descriptor: a follower cut off from the leader answers only after the request timeout, and the partitions
+    # stayed open past the session's expiry, while another server opened them at the next generation.
+    from types import SimpleNamespace
+
+    from waltz.config import build_config
+    from waltz.server.config import SERVER_KEYS
+    from waltz.server.service import WaltzServerService
+    clock, steps, delete = Clock(), [], defer.Deferred()
+    config = build_config({"zookeeper.connectString": "127.0.0.1:2181", "cluster.root": "/c"}, SERVER_KEYS)
+    service = WaltzServerService(config, clock, partition_factory=lambda *a: None, clock=clock.seconds)
+    store, made, lost, partitions = make()
+    partitions.assign({0: 3, 1: 2})
+    service.partitions = partitions
+    service.membership = SimpleNamespace(stop=lambda: (steps.append(sorted(partitions.opened)), delete)[1])
+    stopped = service.stop()
+    assert steps == [[]] and all(partition.closed for partition in made)
+    delete.callback(None)
+    assert stopped.called

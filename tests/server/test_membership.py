@@ -651,6 +651,27 @@ def test_a_server_holding_nothing_takes_no_partition_on_once_its_contact_is_olde
     membership.stop()
 
 
+def test_a_reply_handed_over_after_a_disconnect_takes_no_partition_on_once_the_contact_is_too_old():
+    # Disconnected and holding nothing, the give-up timer has nothing to give up; a read reply that reaches the
+    # reactor only after the give-up time (the session may be expiring) took the assignment's partitions on.
+    clock, reports = Clock(), []
+    cluster = _OneSessionCluster(_assignment())
+    membership = _member_of(cluster, clock, reports)
+    membership.partitions = {}
+    membership._contact(clock.seconds())
+    membership.request_reconcile()
+    cluster.zk.connected = False
+    clock.advance(membership.give_up_after)
+    cluster.descriptor_reads.pop().callback(_descriptors(111))
+    assert membership.partitions == {} and reports == []
+    cluster.zk.connected = True                         # reconnected: contact again, the next pass applies it
+    membership._contact(clock.seconds())
+    membership.request_reconcile()
+    cluster.descriptor_reads.pop().callback(_descriptors(111))
+    assert membership.partitions == {0: 5, 1: 5} and reports == [{0: 5, 1: 5}]
+    membership.stop()
+
+
 def test_health_reports_partitions_given_up_for_unanswered_probes_until_a_probe_is_answered():
     from types import SimpleNamespace
 

@@ -562,6 +562,10 @@ class ServerMembership:
         self._check_contact()
         if self.given_up_while_connected is not None:
             return      # read through a follower the leader may not hear: nothing until a probe is answered
+        if self._last_contact is not None and self.reactor.seconds() - self._last_contact >= self.give_up_after:
+            # Disconnected now, holding nothing: a reply handed over late must not take partitions on past the
+            # give-up time (the session may be expiring). The reconnect's pass applies the assignment.
+            return
         mine = partitions_of(assignment, self.server_id)
         if mine == self.partitions and not self._holding_unknown:
             return

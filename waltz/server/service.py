@@ -127,6 +127,7 @@ class ServerPartitions:
         self.info = None
         self._store_partitions = {}  # partition id -> the store partition of the opened ServerPartition
         self._checker = None
+        self.stopping = False       # close_all() ran: nothing opens again
 
     # --- the registry contract ------------------------------------------------------------------
 
@@ -141,8 +142,10 @@ class ServerPartitions:
 
     def assign(self, assigned):
         """Serve exactly ``assigned`` (``{partition id: generation}``), except partitions lost at the
-        generation assigned."""
+        generation assigned. Once :meth:`close_all` ran, nothing is opened (the server is stopping)."""
         self.assigned = dict(assigned)
+        if self.stopping:
+            return
         for partition_id in sorted(self.opened):
             generation = assigned.get(partition_id)
             if generation != self.opened[partition_id].generation:
@@ -221,6 +224,9 @@ class ServerPartitions:
             lambda f: self.log.failure("closing store partition {pid} failed", f, pid=partition_id))
 
     def close_all(self):
+        """Close every partition for good: the server is stopping (an assignment arriving meanwhile opens
+        nothing)."""
+        self.stopping = True
         self._stop_checking()
         return defer.gatherResults([self._close(pid, "server stopping") for pid in sorted(self.opened)])
 
@@ -454,10 +460,14 @@ class WaltzServerService(AsyncStartService):
         # The ports stopped listening already (child services stop first).
         if self.client_factory is not None:
             self.client_factory.close_connections()
-        if self.membership is not None:
-            yield self.membership.stop()
+        # The partitions close before the descriptor goes: the server that takes them over must not start while
+        # they are open here, and membership.stop() stops every give-up, then waits for ZooKeeper to delete the
+        # descriptor, which a ZooKeeper that does not hear this session (a follower cut off from the leader)
+        # answers only after the request timeout, past the session's expiry.
         if self.partitions is not None:
             yield self.partitions.close_all()
+        if self.membership is not None:
+            yield self.membership.stop()
         if self.store is not None:
             yield self.store.stop()
         if self.zookeeper is not None:
