@@ -10,14 +10,14 @@ import sys
 import tempfile
 
 from waltz.cli.cluster import quiet_kazoo, run_reactor
-from waltz.cli.common import CliError, error_message, positive_int, positive_seconds
+from waltz.cli.common import CliError, error_message, non_negative_int, positive_int, positive_seconds
 from waltz.local.daemons import stop_recorded_processes
 from waltz.local.smoke import SmokeSettings, run_smoke
 
 
 def smoke(args):
     settings = SmokeSettings(transactions=args.transactions, faults=not args.no_faults, seed=args.seed,
-                             fault_interval=args.fault_interval, timeout=args.timeout)
+                             fault_interval=args.fault_interval, min_faults=args.min_faults, timeout=args.timeout)
     if settings.transactions < settings.clients:
         raise CliError("argument --transactions: must be at least %d (one per client)" % settings.clients, exit_code=2)
     quiet_kazoo()
@@ -76,6 +76,8 @@ def register(subparsers):
     parser.add_argument("--no-faults", action="store_true", help="do not kill anything")
     parser.add_argument("--fault-interval", type=positive_seconds, default=4.0,
                         help="seconds between faults (default 4)")
+    parser.add_argument("--min-faults", type=non_negative_int, default=0,
+                        help="go on committing past --transactions until this many faults were injected (default 0)")
     parser.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     parser.add_argument("--timeout", type=positive_seconds, default=1800.0, help="give up after this many seconds")
     parser.add_argument("--progress", action="store_true", help="show progress even when not on a terminal")

@@ -51,6 +51,10 @@ class SmokeSettings:
     fault_interval: float = 4.0     #: seconds between two faults
     down_time: float = 1.5          #: seconds a killed process stays down
     faults: bool = True
+    #: The producers go on past ``transactions`` until this many faults were injected: how many transactions
+    #: a machine commits between two faults depends on its speed, and a short run on a fast one ended before
+    #: every kind of process had been killed.
+    min_faults: int = 0
     seed: int = 1
     timeout: float = 600.0          #: the whole run, seconds
 
@@ -130,9 +134,10 @@ class SmokeTransaction(TransactionContext):
 
 
 class Producer:
-    """Keeps ``inflight`` transactions executing on a client until ``quota`` committed."""
+    """Keeps ``inflight`` transactions executing on a client until ``quota`` committed, and then while
+    ``more_wanted()`` says so."""
 
-    def __init__(self, reactor, client, settings, quota, rng, report, produced):
+    def __init__(self, reactor, client, settings, quota, rng, report, produced, more_wanted=lambda: False):
         self.reactor = reactor
         self.client = client
         self.settings = settings
@@ -140,6 +145,7 @@ class Producer:
         self.rng = rng
         self.report = report
         self.produced = produced      # list of committed UUIDs (shared)
+        self.more_wanted = more_wanted
         self.started = 0
         self.committed = 0
         self.done = defer.Deferred()
@@ -148,8 +154,11 @@ class Producer:
         for _ in range(min(self.settings.inflight, self.quota)):
             self._next()
 
+    def _done_producing(self, count) -> bool:
+        return count >= self.quota and not self.more_wanted()
+
     def _next(self):
-        if self.started >= self.quota:
+        if self._done_producing(self.started):
             return
         self.started += 1
         context = SmokeTransaction(self.rng, self.settings.partitions, self.settings.lock_range)
@@ -166,7 +175,7 @@ class Producer:
             # checksum sums would show it.
             self.report.unfinished += 1
             self.started -= 1
-        if self.committed >= self.quota:
+        if self._done_producing(self.committed):
             if not self.done.called:
                 self.done.callback(None)
         else:
@@ -266,7 +275,7 @@ def run_smoke(reactor, run_dir, settings=SmokeSettings(), progress=None):
             clients.append(client)
             producers.append(Producer(reactor, client, settings,
                                       quota + (settings.transactions % settings.clients if index == 0 else 0),
-                                      rng, report, produced))
+                                      rng, report, produced, more_wanted=lambda: _faults_wanted(settings, report)))
         yield defer.gatherResults([c.when_started() for c in clients])
         faults = FaultInjector(reactor, cluster, servers, settings, report)
         began = time.monotonic()
@@ -310,6 +319,11 @@ def run_smoke(reactor, run_dir, settings=SmokeSettings(), progress=None):
         yield cluster.stop()
     yield _check_replicas(cluster, settings, report)
     return report
+
+
+def _faults_wanted(settings, report) -> bool:
+    """True while the run has injected fewer faults than ``settings.min_faults`` (and injects any)."""
+    return settings.faults and len(report.faults) < settings.min_faults
 
 
 def _producers_late(producers, settings):
