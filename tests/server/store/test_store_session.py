@@ -526,6 +526,28 @@ def test_pipelined_batches_commit_in_order():
     assert results[3].result == 3
 
 
+def test_a_flush_waits_for_the_appends_queued_before_it_not_for_those_after():
+    # Before: it fired only once queue and pipeline were empty at the same moment, so a steady stream of appends
+    # starved it while the appends queued before it had long committed.
+    h = Harness(manual=True)
+    partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=1, max_batches_in_flight=2)
+    partition.open()
+    append = lambda n: partition.append(ReqId(1, 1, 0, n), 0, b"x", checksum(b"x"))   # noqa: E731
+    before = [append(n) for n in range(3)]
+    flushed = partition.flush()
+    session = h.sessions[0]
+    a, b, _c = (session.replicas_by_name[s] for s in STORAGES)
+    for n in range(3, 8):
+        append(n)                       # the stream goes on: one more queued for each one acked
+        a.ack()
+        b.ack()
+        h.clock.advance(0)
+        if n == 4:
+            assert not flushed.called and [d.called for d in before] == [True, True, False]
+    assert all(d.called for d in before) and flushed.result == 2 and partition.high_water_mark == 4
+    assert partition.flush().called is False
+
+
 def test_a_turns_appends_make_one_batch_partial_batches_wait_for_the_one_in_flight_full_ones_pipeline():
     h = Harness(manual=True)
     partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=3, max_batches_in_flight=4)

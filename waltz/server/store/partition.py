@@ -15,6 +15,7 @@ transactions past its low-water mark, it is closed and a new one started.
 """
 
 import collections
+import itertools
 
 import attr
 from twisted.internet import defer
@@ -116,10 +117,15 @@ class StorePartition:
             self._pump()
 
     def flush(self):
-        if not self._queue and not self._in_flight and not self._unsettled:
+        """Fires with the high-water mark once every append queued before the call is settled; appends queued
+        after it do not hold it back (a steady stream of them starved it)."""
+        before = collections.deque(p for p in itertools.chain(
+            self._queue, itertools.chain.from_iterable(self._in_flight), itertools.chain.from_iterable(self._unsettled))
+            if not p.deferred.called)
+        if not before:
             return defer.succeed(self.high_water_mark)
         waiter = defer.Deferred()
-        self._flush_waiters.append(waiter)
+        self._flush_waiters.append((before, waiter))
         return waiter
 
     def add_listener(self, listener):
@@ -307,10 +313,17 @@ class StorePartition:
         self._check_flush()
 
     def _check_flush(self):
-        if self._flush_waiters and not self._queue and not self._in_flight and not self._unsettled:
-            waiters, self._flush_waiters = self._flush_waiters, []
-            for waiter in waiters:
+        if not self._flush_waiters:
+            return
+        waiters, self._flush_waiters, waiting = self._flush_waiters, [], []
+        for before, waiter in waiters:
+            while before and before[0].deferred.called:
+                before.popleft()
+            if before:
+                waiting.append((before, waiter))
+            else:
                 waiter.callback(self.high_water_mark)
+        self._flush_waiters = waiting + self._flush_waiters     # (and any a callback added meanwhile)
 
     # -- closing -----------------------------------------------------------------------------
 
@@ -338,5 +351,5 @@ class StorePartition:
             if not item.deferred.called:
                 item.deferred.errback(outcome)
         waiters, self._flush_waiters = self._flush_waiters, []
-        for waiter in waiters:
+        for _before, waiter in waiters:
             waiter.errback(error)
