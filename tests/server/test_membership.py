@@ -631,14 +631,20 @@ def test_unanswered_probes_give_the_partitions_up_while_still_connected_and_a_fr
     membership.stop()
 
 
-def test_a_server_holding_nothing_takes_no_partition_on_once_its_contact_is_older_than_the_give_up_time():
-    # Connected to a follower cut off from the leader, holding nothing yet (just joined): reads through
-    # that follower still succeed, and the assignment they give is stale (the leader expired the session).
+def _member_holding_nothing_in_contact_now():
+    """``(clock, reports, cluster, membership)``: a member that just joined (holding nothing), in contact now."""
     clock, reports = Clock(), []
     cluster = _OneSessionCluster(_assignment())
     membership = _member_of(cluster, clock, reports)
     membership.partitions = {}
     membership._contact(clock.seconds())
+    return clock, reports, cluster, membership
+
+
+def test_a_server_holding_nothing_takes_no_partition_on_once_its_contact_is_older_than_the_give_up_time():
+    # Connected to a follower cut off from the leader, holding nothing yet (just joined): reads through
+    # that follower still succeed, and the assignment they give is stale (the leader expired the session).
+    clock, reports, cluster, membership = _member_holding_nothing_in_contact_now()
     clock.advance(membership.give_up_after)             # no probe answered since (none ran yet)
     membership.request_reconcile()
     cluster.descriptor_reads.pop().callback(_descriptors(111))
@@ -654,11 +660,7 @@ def test_a_server_holding_nothing_takes_no_partition_on_once_its_contact_is_olde
 def test_a_reply_handed_over_after_a_disconnect_takes_no_partition_on_once_the_contact_is_too_old():
     # Disconnected and holding nothing, the give-up timer has nothing to give up; a read reply that reaches the
     # reactor only after the give-up time (the session may be expiring) took the assignment's partitions on.
-    clock, reports = Clock(), []
-    cluster = _OneSessionCluster(_assignment())
-    membership = _member_of(cluster, clock, reports)
-    membership.partitions = {}
-    membership._contact(clock.seconds())
+    clock, reports, cluster, membership = _member_holding_nothing_in_contact_now()
     membership.request_reconcile()
     cluster.zk.connected = False
     clock.advance(membership.give_up_after)

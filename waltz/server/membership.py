@@ -341,19 +341,21 @@ class ServerMembership:
         SUSPENDED does it; a give-up of that timer that raised is tried again here.) Checked at each
         probe, so up to T/6 late: still before T, and before adopting an assignment: a server holding
         nothing when its contact went stale must not take partitions on through that follower either."""
-        if self._last_contact is None:
+        if not self._contact_stale():
             return
         silent = self.reactor.seconds() - self._last_contact
         if not self.cluster.zk.connected:
-            holding = self.partitions or self._holding_unknown
-            if holding and self._disconnected_call is None and silent >= self.give_up_after:
+            if (self.partitions or self._holding_unknown) and self._disconnected_call is None:
                 self._disconnected_too_long()
-            return
-        if silent >= self.give_up_after:
+        else:
             self.given_up_while_connected = ("partitions given up (none taken on): no ZooKeeper probe answered "
                                              "for %.1f s although connected (the leader may not hear from this "
                                              "session)" % silent)
             self._give_up_partitions(self.given_up_while_connected)
+
+    def _contact_stale(self) -> bool:
+        """True once the last confirmed contact with ZooKeeper is ``give_up_after`` old."""
+        return self._last_contact is not None and self.reactor.seconds() - self._last_contact >= self.give_up_after
 
     def _contact(self, sent):
         """ZooKeeper heard from this session at ``sent`` (reactor seconds) at the latest."""
@@ -562,7 +564,7 @@ class ServerMembership:
         self._check_contact()
         if self.given_up_while_connected is not None:
             return      # read through a follower the leader may not hear: nothing until a probe is answered
-        if self._last_contact is not None and self.reactor.seconds() - self._last_contact >= self.give_up_after:
+        if self._contact_stale():
             # Disconnected now, holding nothing: a reply handed over late must not take partitions on past the
             # give-up time (the session may be expiring). The reconnect's pass applies the assignment.
             return

@@ -446,7 +446,7 @@ class Segment:
         if truncated:
             os.ftruncate(self._data_fd, scanner.end_offset)
             self._data_size = scanner.end_offset
-        self._data_dirty = True
+            self._data_dirty = True     # (the records kept were synced above)
         self.sync(index=True)
         return RecoveryReport(self.first_transaction_id, txn, len(offsets), self.max_transaction_id,
                               truncated, problem)
