@@ -142,3 +142,14 @@ def test_dev_commands_use_the_run_directorys_zookeeper_port(tmp_path):
     (tmp_path / "zookeeper" / "zoo.cfg").write_text("clientPort=47281\n")
     assert DevCluster(str(tmp_path), None).zookeeper.port == 47281        # 'dev status' after 'dev up --zookeeper-port'
     assert DevCluster(str(tmp_path), 40000).zookeeper.port == 40000
+
+
+def test_a_bad_tls_file_in_the_config_is_one_line_naming_the_key(tmp_path):
+    from waltz.local.pki import LocalPKI
+    keys = LocalPKI(str(tmp_path / "pki")).keys("ssl.", "operator")
+    del keys["ssl.trustRoots"]
+    config = tmp_path / "cli.yaml"
+    config.write_text("zookeeper.connectString: 127.0.0.1:1\ncluster.root: /waltz\n"
+                      + "".join("%s: %s\n" % item for item in keys.items()))
+    line = refused("storage", "list", "-c", str(config))
+    assert "config key 'ssl.trustRoots' is required when 'ssl.certificate' is set" in line

@@ -121,3 +121,12 @@ async def local_clusters(zookeeper, cluster_root, tmp_path):
     yield make
     for local in made:
         await local.stop()
+
+
+@pytest_twisted.async_yield_fixture
+async def clients():
+    """A list to add WaltzClients to; they are closed when the test ends."""
+    started = []
+    yield started
+    for client in started:
+        await client.close()

@@ -29,7 +29,7 @@ import pytest_twisted
 from twisted.internet import defer, reactor, task, threads
 
 from tests.integration.test_client_server import (  # noqa: F401  (fixtures)
-    PARTITIONS, caught_up, clients, cluster, eventually, new_client, start_server)
+    PARTITIONS, caught_up, cluster, eventually, new_client, start_server)
 from tests.cli.helpers import waltz as cli_waltz
 from waltz.cli.storage import StorageNodeClient
 from waltz.client import Outcome, TransactionContext, WaltzClientCallbacks

@@ -47,15 +47,6 @@ def start_server(tmp_path, daemons):
     return make
 
 
-@pytest_twisted.async_yield_fixture
-async def clients():
-    """A list to add WaltzClients to; they are closed when the test ends."""
-    started = []
-    yield started
-    for client in started:
-        await client.close()
-
-
 class Log(WaltzClientCallbacks):
     """An application whose state is the list of transactions it applied, per partition."""
 

@@ -12,10 +12,13 @@ import time
 
 from twisted.internet import defer, task
 
-from waltz.cli.cluster import add_connection_options, connection_config, quiet_kazoo, run_reactor, within
+from waltz.cli.cluster import (TLS_PREFIX, add_connection_options, connection_config, quiet_kazoo, run_reactor,
+                               within)
 from waltz.cli.common import CliError, parse_partition_list, positive_int, positive_seconds
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks
+from waltz.client.config import TLS_PREFIX as CLIENT_TLS_PREFIX
 from waltz.config import expiration_ms
+from waltz.tls import SUFFIXES as TLS_SUFFIXES
 
 #: The keys of the ``-c`` file and flags (:func:`~waltz.cli.cluster.connection_config`) a Waltz client takes.
 _CLIENT_ZOOKEEPER_KEYS = ("zookeeper.connectString", "zookeeper.connectTimeout", "zookeeper.sessionTimeout",
@@ -37,8 +40,11 @@ class _Nothing(WaltzClientCallbacks):
 
 def client_config(config, **extra):
     """A Waltz client's config for the cluster of ``config`` (a :func:`~waltz.cli.cluster.connection_config`):
-    its ZooKeeper connect string and timeouts and the cluster root, plus the ``extra`` client keys."""
+    its ZooKeeper connect string and timeouts and the cluster root, its ``ssl.*`` files as the client's
+    ``client.ssl.*``, plus the ``extra`` client keys."""
     values = {key: config[key] for key in _CLIENT_ZOOKEEPER_KEYS}
+    values.update({CLIENT_TLS_PREFIX + suffix: config[TLS_PREFIX + suffix] for suffix in TLS_SUFFIXES
+                   if config.get(TLS_PREFIX + suffix) is not None})
     values.update(extra)
     return values
 

@@ -23,6 +23,7 @@ from twisted.python.failure import Failure
 from waltz.cli.common import (CliError, connect_string, debugging, milliseconds, non_negative_int,
                               parse_partition_list, partition_count, port, positive_seconds, znode_path)
 from waltz.config import ZOOKEEPER_KEYS, ConfigError, build_config, flatten, read_yaml
+from waltz.tls import load_tls, tls_keys
 from waltz.zk.bridge import ZooKeeperClient
 from waltz.zk.metadata import ClusterMetadata
 from waltz.zk.topology import format_ids
@@ -59,11 +60,21 @@ def add_connection_options(parser):
                        help="give up connecting to ZooKeeper after MS milliseconds (default 10000)")
 
 
+#: The prefix of the tools' TLS keys in a ``-c`` file (the original's CLI ``ssl.*``): the certificate the tools
+#: present to storage nodes and servers, and the roots they verify them with (see :mod:`waltz.tls`).
+TLS_PREFIX = "ssl."
+
+#: The keys a ``-c`` file gives the tools themselves.
+CLI_KEYS = ZOOKEEPER_KEYS + tls_keys(TLS_PREFIX)
+
+
 def connection_config(args):
-    """The validated ZooKeeper :class:`~waltz.config.Config` from ``-c`` and the flags."""
+    """The validated :class:`~waltz.config.Config` (ZooKeeper keys, and ``ssl.*``) from ``-c`` and the flags.
+
+    Sets ``args.tls``: the :class:`~waltz.tls.TLSConfig` of the ``ssl.*`` keys, or None (plain TCP)."""
     values = flatten(read_yaml(args.config)) if args.config else {}
     others = _daemon_and_client_key_names()
-    known = others | {key.name for key in ZOOKEEPER_KEYS}
+    known = others | {key.name for key in CLI_KEYS}
     for name in sorted(values):
         if name not in known:
             raise ConfigError("config key '%s' in %s is not a known key" % (name, args.config), name)
@@ -72,7 +83,9 @@ def connection_config(args):
         if values.get(key) is None:
             raise CliError("no %s given: use --%s or -c FILE with %s" % (key, flag, key))
     # The daemons' and clients' own keys are checked by name only: they check their values themselves.
-    return build_config({k: v for k, v in values.items() if k not in others}, ZOOKEEPER_KEYS)
+    config = build_config({k: v for k, v in values.items() if k not in others}, CLI_KEYS)
+    args.tls = load_tls(config, TLS_PREFIX)
+    return config
 
 
 #: How long an interrupted command's own clean-up (closing clients, stopping what it started) may take

@@ -4,7 +4,7 @@ The servers and the assignment come from ZooKeeper; each server is then asked ov
 ``L``, PARTITIONS_HEALTH) which of its partitions are healthy (their store session is writing).
 """
 
-from twisted.internet import defer, endpoints
+from twisted.internet import defer
 from twisted.internet.protocol import Factory
 
 from waltz.cli.cluster import add_connection_options, run_with_cluster
@@ -12,6 +12,7 @@ from waltz.cli.common import positive_seconds
 from waltz.protocols import client_messages as m
 from waltz.protocols.base import WaltzProtocol
 from waltz.protocols.values import ReqId
+from waltz.tls import client_endpoint
 
 
 class _HealthQuery(WaltzProtocol):
@@ -31,17 +32,17 @@ class _HealthQuery(WaltzProtocol):
     def messageReceived(self, message):
         if isinstance(message, m.PartitionsHealthResponse) and not self.answer.called:
             self.answer.callback(dict(message.partition_health))
-            self.transport.loseConnection()
+            self.close("answered", expected=True)
 
     def connectionClosed(self, reason):
         if not self.answer.called:
             self.answer.errback(reason)
 
 
-def partition_health(reactor, host, port, timeout):
-    """Fires with ``{partition: healthy}`` as the server at ``host:port`` reports it."""
-    endpoint = endpoints.HostnameEndpoint(reactor, host, port, timeout=timeout)
-    d = endpoint.connect(Factory.forProtocol(_HealthQuery))
+def partition_health(reactor, host, port, timeout, tls=None):
+    """Fires with ``{partition: healthy}`` as the server at ``host:port`` reports it (through TLS with ``tls``,
+    a :class:`~waltz.tls.TLSConfig`)."""
+    d = client_endpoint(reactor, host, port, timeout, tls).connect(Factory.forProtocol(_HealthQuery))
     d.addCallback(lambda proto: proto.answer)
     return d.addTimeout(timeout, reactor)
 
@@ -55,7 +56,8 @@ def list_servers(args):
         lines = ["%d live server(s)" % len(descriptors)]
         for _, descriptor in descriptors:
             try:
-                health = yield partition_health(metadata.reactor, descriptor.host, descriptor.port, args.timeout)
+                health = yield partition_health(metadata.reactor, descriptor.host, descriptor.port, args.timeout,
+                                                args.tls)
                 reachable = "reachable"
             except defer.TimeoutError:     # its str() is a tuple: "(2.0, 'Deferred')"
                 health, reachable = {}, "UNREACHABLE (did not answer within %g s)" % args.timeout

@@ -10,7 +10,7 @@ non-zero exit status.
 """
 
 import attr
-from twisted.internet import defer, endpoints
+from twisted.internet import defer
 from twisted.internet.error import ConnectError
 
 from waltz.cli.cluster import add_connection_options, run_with_cluster
@@ -19,6 +19,7 @@ from waltz.protocols import admin_messages as am
 from waltz.protocols import storage_messages as sm
 from waltz.protocols.rpc import (AdminClientProtocol, ConnectionClosed, RemoteError, RequestClientFactory,
                                  StorageClientProtocol)
+from waltz.tls import client_endpoint
 from waltz.zk.topology import format_ids
 from waltz.zk.znodes import ReplicaId
 
@@ -53,8 +54,9 @@ class StorageNodeClient:
     """Requests to one storage node's admin port (and its storage port when asked), each bounded
     by ``timeout`` seconds; every failure becomes a one-line :class:`StorageNodeError`."""
 
-    def __init__(self, reactor, storage, admin_port, store, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, reactor, storage, admin_port, store, timeout=DEFAULT_TIMEOUT, tls=None):
         self.reactor = reactor
+        self.tls = tls              # a waltz.tls.TLSConfig, or None (plain TCP)
         self.storage = storage
         self.host, self.port = split_storage(storage)
         self.admin_port = admin_port
@@ -85,7 +87,7 @@ class StorageNodeClient:
     def _connection(self, port, protocol_class, open_request):
         proto = self._connections.get(port)
         if proto is None:
-            endpoint = endpoints.HostnameEndpoint(self.reactor, self.host, port, timeout=self.timeout)
+            endpoint = client_endpoint(self.reactor, self.host, port, self.timeout, self.tls)
             proto = yield self._bounded(endpoint.connect(RequestClientFactory(protocol_class, open_request)))
             self._connections[port] = proto
             yield self._bounded(proto.opened)
@@ -110,8 +112,7 @@ class StorageNodeClient:
         """Close the connections this client opened."""
         connections, self._connections = self._connections, {}
         for proto in connections.values():
-            if proto.transport is not None:
-                proto.transport.loseConnection()
+            proto.close("done", expected=True)
 
     # -- admin operations --
 
@@ -155,15 +156,16 @@ class StoreView:
     topology: object
     timeout: float
     metadata: object       # the ClusterMetadata it was read from, for reads some subcommands make
+    tls: object = None     # the waltz.tls.TLSConfig of the connections to storage nodes, or None
 
     @classmethod
     @defer.inlineCallbacks
-    def read(cls, metadata, timeout):
+    def read(cls, metadata, timeout, tls=None):
         """Fires with the view of the cluster ``metadata`` points at."""
         from twisted.internet import reactor
         store = yield metadata.store_params()
         topology = yield metadata.topology()
-        return cls(reactor, metadata.paths.root, store, topology.value, timeout, metadata)
+        return cls(reactor, metadata.paths.root, store, topology.value, timeout, metadata, tls)
 
     def storages(self):
         """Storage nodes listed in <root>/store/connection, sorted."""
@@ -176,7 +178,7 @@ class StoreView:
         if admin_port is None:
             raise CliError("storage node %s is not in %s/store/connection (known: %s); add it with "
                            "'waltz cluster add-storage'" % (storage, self.root, ", ".join(self.storages()) or "none"))
-        return StorageNodeClient(self.reactor, storage, admin_port, self.store, self.timeout)
+        return StorageNodeClient(self.reactor, storage, admin_port, self.store, self.timeout, self.tls)
 
     def partitions(self, text):
         """The partition ids of a ``--partitions`` list, checked against the cluster's partition count."""
@@ -397,7 +399,7 @@ SUBCOMMANDS = (
 def _run(args, action):
     """Read the store znodes, then run ``action(view, args)`` under the reactor."""
     return run_with_cluster(
-        args, lambda metadata: StoreView.read(metadata, args.timeout).addCallback(action, args)) or 0
+        args, lambda metadata: StoreView.read(metadata, args.timeout, args.tls).addCallback(action, args)) or 0
 
 
 def register(subparsers):

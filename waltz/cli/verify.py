@@ -20,8 +20,8 @@ def verify(metadata, args):
     assignment = (yield metadata.partition_assignment()).value
     descriptors = {d.server_id: d for _, d in (yield metadata.server_descriptors())}
     topology = (yield metadata.topology()).value
-    server_health = yield _server_health(metadata, descriptors, args.timeout)
-    storage_status = yield _storage_status(metadata, topology, params, args.timeout)
+    server_health = yield _server_health(metadata, descriptors, args.timeout, args.tls)
+    storage_status = yield _storage_status(metadata, topology, params, args.timeout, args.tls)
     owners = {info.partition_id: (server_id, info.generation)
               for server_id, infos in assignment.servers for info in infos}
     problems, lines = [], []
@@ -36,21 +36,22 @@ def verify(metadata, args):
 
 
 @defer.inlineCallbacks
-def _server_health(metadata, descriptors, timeout):
+def _server_health(metadata, descriptors, timeout, tls):
     health = {}
     for server_id, descriptor in descriptors.items():
         try:
-            health[server_id] = yield partition_health(metadata.reactor, descriptor.host, descriptor.port, timeout)
+            health[server_id] = yield partition_health(metadata.reactor, descriptor.host, descriptor.port, timeout,
+                                                       tls)
         except Exception:
             health[server_id] = None  # unreachable
     return health
 
 
 @defer.inlineCallbacks
-def _storage_status(metadata, topology, params, timeout):
+def _storage_status(metadata, topology, params, timeout, tls):
     status = {}
     for storage, admin_port in topology.connections.entries:
-        client = StorageNodeClient(metadata.reactor, storage, admin_port, params, timeout=timeout)
+        client = StorageNodeClient(metadata.reactor, storage, admin_port, params, timeout=timeout, tls=tls)
         try:
             status[storage] = dict((yield client.assigned_partitions()))
         except CliError:

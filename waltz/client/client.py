@@ -19,7 +19,7 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 
 from waltz.client.api import ExecutionResult, IWaltzClientCallbacks, Outcome
-from waltz.client.config import ClientSettings, client_config
+from waltz.client.config import TLS_PREFIX, ClientSettings, client_config
 from waltz.client.discovery import ZooKeeperDiscovery
 from waltz.client.errors import (ClientClosedError, ContextInFlightError, HighWaterMarkTimeout, PartitionNotFoundError,
                                  WaltzClientError)
@@ -27,6 +27,7 @@ from waltz.client.monitor import Submission
 from waltz.client.network import Backoff, ManagedConnection, ServerConnections, tcp_connector
 from waltz.client.partition import ClientPartition
 from waltz.client.reader import FeedRead
+from waltz.tls import load_tls
 
 log = Logger()
 
@@ -64,7 +65,7 @@ class WaltzClient:
         self._callbacks = callbacks
         self._discovery = discovery if discovery is not None else ZooKeeperDiscovery(self.config, reactor)
         self._connector = connector if connector is not None else tcp_connector(
-            reactor, self.settings.connect_timeout)
+            reactor, self.settings.connect_timeout, load_tls(self.config, TLS_PREFIX))
         self._seq_numbers = itertools.count(0)
         self._servers = {}
         self._partitions = {}

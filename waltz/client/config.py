@@ -15,6 +15,7 @@ import attr
 from waltz.config import (
     ZOOKEEPER_KEYS, Config, ConfigError, Key, build_config, load_config, milliseconds, non_negative_int,
     non_negative_milliseconds, positive_int)
+from waltz.tls import load_tls, tls_keys
 
 #: The ``client.*`` keys (the zookeeper and cluster keys come from :data:`waltz.config.ZOOKEEPER_KEYS`).
 CLIENT_ONLY_KEYS = (
@@ -45,8 +46,11 @@ CLIENT_ONLY_KEYS = (
         "transaction-data requests outstanding per read_transactions call"),
 )
 
+#: The prefix of the client's TLS keys (``certificate``, ``privateKey``, ``trustRoots``: see :mod:`waltz.tls`).
+TLS_PREFIX = "client.ssl."
+
 #: Every key a client config accepts.
-CLIENT_KEYS = ZOOKEEPER_KEYS + CLIENT_ONLY_KEYS
+CLIENT_KEYS = ZOOKEEPER_KEYS + CLIENT_ONLY_KEYS + tls_keys(TLS_PREFIX)
 
 #: Upper bound of the apply retry back-off, seconds.
 MAX_APPLY_RETRY_INTERVAL = 10.0
@@ -104,8 +108,14 @@ def client_config(config) -> Config:
     if isinstance(config, Config):
         return config
     if isinstance(config, (str, os.PathLike)):
-        return load_config(os.fspath(config), CLIENT_KEYS)
+        return _checked(load_config(os.fspath(config), CLIENT_KEYS))
     if isinstance(config, Mapping):
-        return build_config(dict(config), CLIENT_KEYS)
+        return _checked(build_config(dict(config), CLIENT_KEYS))
     raise ConfigError("a client config must be a mapping, a YAML file path or a Config, not %s"
                       % type(config).__name__)
+
+
+def _checked(config):
+    """``config``, once its TLS files (if any) were read and found usable: ConfigError names a bad key."""
+    load_tls(config, TLS_PREFIX)
+    return config

@@ -21,7 +21,7 @@ import enum
 import random
 
 import attr
-from twisted.internet import defer, endpoints
+from twisted.internet import defer
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 
@@ -30,6 +30,7 @@ from waltz.protocols.client_messages import CLIENT_CODEC, TransactionDataRespons
 from waltz.protocols.errors import ChecksumError
 from waltz.protocols.primitives import Reader
 from waltz.protocols.values import ReqId
+from waltz.tls import client_endpoint
 
 log = Logger()
 
@@ -138,10 +139,11 @@ class _ProtocolFactory(Factory):
         return proto
 
 
-def tcp_connector(reactor, timeout):
-    """The default way to open a connection: ``connector(endpoint, factory) -> Deferred[protocol]``."""
+def tcp_connector(reactor, timeout, tls=None):
+    """The default way to open a connection: ``connector(endpoint, factory) -> Deferred[protocol]``, through
+    TLS when ``tls`` (a :class:`waltz.tls.TLSConfig`) is given."""
     def connect(endpoint, factory):
-        return endpoints.HostnameEndpoint(reactor, endpoint.host, endpoint.port, timeout=timeout).connect(factory)
+        return client_endpoint(reactor, endpoint.host, endpoint.port, timeout, tls).connect(factory)
     return connect
 
 

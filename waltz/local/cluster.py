@@ -20,21 +20,22 @@ from waltz.zk.metadata import ClusterMetadata
 
 
 @defer.inlineCallbacks
-def admin_connection(reactor, host, admin_port, params):
-    """An opened admin-port connection to a storage node."""
-    proto = yield connect_storage_client(reactor, host, admin_port, params.key, params.num_partitions, admin=True)
+def admin_connection(reactor, host, admin_port, params, tls=None):
+    """An opened admin-port connection to a storage node (through TLS with ``tls``)."""
+    proto = yield connect_storage_client(reactor, host, admin_port, params.key, params.num_partitions, admin=True,
+                                         tls=tls)
     yield proto.opened
     return proto
 
 
 @defer.inlineCallbacks
-def push_assignment(reactor, storage, admin_port, partitions, params):
+def push_assignment(reactor, storage, admin_port, partitions, params, tls=None):
     """Assign ``partitions`` on the storage node ``storage`` (``host:port``) through its admin port."""
-    proto = yield admin_connection(reactor, storage.rpartition(":")[0], admin_port, params)
+    proto = yield admin_connection(reactor, storage.rpartition(":")[0], admin_port, params, tls)
     try:
         yield proto.request(am.PartitionAssignmentRequest(0, tuple(partitions), True, False))
     finally:
-        proto.transport.loseConnection()
+        proto.close("assignment pushed", expected=True)
 
 
 def _first_failure(failure):
@@ -46,7 +47,7 @@ class LocalCluster:
     """ZooKeeper plus ``num_storages`` storage daemons, each holding every partition."""
 
     def __init__(self, run_dir, num_partitions=1, num_storages=3, root="/waltz_cluster", zookeeper=None,
-                 storage_overrides=None):
+                 storage_overrides=None, pki=None):
         self.run_dir = os.path.abspath(run_dir)
         self.num_partitions = num_partitions
         self.num_storages = num_storages
@@ -54,6 +55,10 @@ class LocalCluster:
         self.zookeeper = zookeeper
         self._own_zookeeper = zookeeper is None
         self.storage_overrides = dict(storage_overrides or {})
+        #: With a :class:`~waltz.local.pki.LocalPKI`, every storage port and admin port speaks mutual TLS (each
+        #: storage with a certificate of its own), and so do this cluster's admin connections.
+        self.pki = pki
+        self.tls = pki.tls("local-admin") if pki is not None else None
         self.storages = []
         self.params = None
         self.zk_client = None
@@ -93,7 +98,10 @@ class LocalCluster:
         daemons = []
         for _ in groups:
             run_dir = os.path.join(self.run_dir, "storage%d" % len(self.storages))
-            daemons.append(local_storage(run_dir, self.connect_string, self.root, **self.storage_overrides))
+            overrides = dict(self.storage_overrides)
+            if self.pki is not None:
+                overrides.update(self.pki.keys("storage.ssl.", "storage%d" % len(self.storages)))
+            daemons.append(local_storage(run_dir, self.connect_string, self.root, **overrides))
             self.storages.append(daemons[-1])
         yield defer.gatherResults([threads.deferToThread(daemon.start) for daemon in daemons],
                                   consumeErrors=True).addErrback(_first_failure)
@@ -104,7 +112,7 @@ class LocalCluster:
             yield self.metadata.edit_topology(
                 lambda t, p, name=name, admin_port=admin_port, group=group:
                 t.add_storage(name, admin_port, group).assign(name, partitions, p.num_partitions))
-            yield push_assignment(reactor, name, admin_port, partitions, self.params)
+            yield push_assignment(reactor, name, admin_port, partitions, self.params, self.tls)
         return daemons
 
     @defer.inlineCallbacks

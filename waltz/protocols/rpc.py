@@ -180,11 +180,12 @@ class AdminClientProtocol(RequestClientProtocol):
     failure_type = admin_messages.FailureResponse
 
 
-def connect_storage_client(reactor, host, port, cluster_key, num_partitions, admin=False, timeout=5):
+def connect_storage_client(reactor, host, port, cluster_key, num_partitions, admin=False, timeout=5, tls=None):
     """Connect to a storage node's storage port (or, with ``admin``, its admin port).
 
     The connection opens with the cluster's key and partition count; fires with the
     protocol once connected (``proto.opened`` fires when the node accepted the open).
+    With ``tls`` (a ``waltz.tls.TLSConfig``), the connection speaks TLS.
     """
     from twisted.internet import endpoints
     if admin:
@@ -192,4 +193,7 @@ def connect_storage_client(reactor, host, port, cluster_key, num_partitions, adm
     else:
         factory = RequestClientFactory(StorageClientProtocol,
                                        storage_messages.OpenRequest.create(cluster_key, num_partitions))
-    return endpoints.HostnameEndpoint(reactor, host, port, timeout=timeout).connect(factory)
+    endpoint = endpoints.HostnameEndpoint(reactor, host, port, timeout=timeout)
+    if tls is not None:
+        endpoint = tls.wrap_client(endpoint)
+    return endpoint.connect(factory)

@@ -12,12 +12,20 @@ The keys and defaults are the original's (``WaltzServerConfig``), except:
 * ``server.preferredPartitions`` (a list, or ``"0,2,5"``) is the original's
   preferred partitions of a managed server, which it only took through the CLI;
 * ``server.maxFrameSize`` is this project's, as for the storage;
-* the retry intervals are milliseconds in the file, as in the original.
+* the retry intervals are milliseconds in the file, as in the original;
+* ``server.ssl.*`` (the client port) and ``storage.ssl.*`` (the connections to storage nodes) take PEM files
+  (``certificate``, ``privateKey``, ``trustRoots``) instead of the original's Java key stores: see
+  :mod:`waltz.tls`.
 """
 
 from waltz.config import (ZOOKEEPER_KEYS, ConfigError, Key, bind_address, check_distinct_ports, frame_size,
                           load_config, milliseconds, non_negative_int, port, positive_int)
 from waltz.server.caches import HEADER_BYTES, FeedCache
+from waltz.tls import load_tls, tls_keys
+
+#: The prefixes of the server's TLS keys: its client port, and its connections to storage nodes.
+CLIENT_PORT_TLS_PREFIX = "server.ssl."
+STORAGE_TLS_PREFIX = "storage.ssl."
 
 MIB = 1024 * 1024
 #: The feed cache must hold at least one block of headers.
@@ -94,7 +102,7 @@ SERVER_KEYS = ZOOKEEPER_KEYS + (
         "ms a storage request may stay unanswered before its connection is closed and reopened"),
     Key("storage.checkpointInterval", positive_int, 250000,
         "transactions after which a store session is closed and a new one recovered"),
-)
+) + tls_keys(CLIENT_PORT_TLS_PREFIX) + tls_keys(STORAGE_TLS_PREFIX)
 
 PORT_KEYS = ("server.port", "server.http.port")
 
@@ -112,6 +120,8 @@ def check_server_config(config):
                           "'storage.maxRetryInterval' (%d ms)"
                           % (config["storage.initialRetryInterval"], config["storage.maxRetryInterval"]),
                           "storage.initialRetryInterval")
+    for prefix in (CLIENT_PORT_TLS_PREFIX, STORAGE_TLS_PREFIX):
+        load_tls(config, prefix)       # (read again by the service: here it fails before anything starts)
     return config
 
 

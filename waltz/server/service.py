@@ -37,12 +37,13 @@ from waltz.http import health_site
 from waltz.metrics import Registry
 from waltz.protocols.base import Liveness
 from waltz.server.caches import FeedCache, TransactionDataCache
-from waltz.server.config import partition_settings
+from waltz.server.config import CLIENT_PORT_TLS_PREFIX, STORAGE_TLS_PREFIX, partition_settings
 from waltz.server.membership import InvalidPartitions, MembershipState, ServerMembership, check_partitions
 from waltz.server.partition import PartitionMetrics, ServerPartition
 from waltz.server.protocol import ServerFactory
 from waltz.server.store.metrics import StoreMetrics
 from waltz.server.store.store import Store
+from waltz.tls import load_tls, server_factory
 from waltz.zk.bridge import SessionState, ZooKeeperClient
 from waltz.zk.metadata import ClusterMetadata
 
@@ -352,6 +353,10 @@ class WaltzServerService(AsyncStartService):
         self.partitions = None
         self.client_factory = None
         self.ports = []
+        # TLS of the client port and of the connections to storage nodes (None: plain TCP); a bad file
+        # fails here, before anything starts.
+        self.client_port_tls = load_tls(config, CLIENT_PORT_TLS_PREFIX)
+        self.storage_tls = load_tls(config, STORAGE_TLS_PREFIX)
 
     @property
     def server_id(self):
@@ -373,7 +378,7 @@ class WaltzServerService(AsyncStartService):
                            initial_retry=config["storage.initialRetryInterval"] / 1000.0,
                            max_retry=config["storage.maxRetryInterval"] / 1000.0,
                            request_timeout=config["storage.requestTimeout"] / 1000.0,
-                           metrics=StoreMetrics(self.metrics_registry))
+                           metrics=StoreMetrics(self.metrics_registry), tls=self.storage_tls)
         yield self.store.start()
         self.partitions = ServerPartitions(self.store, self.partition_factory, self.metrics, reactor=self.reactor,
                                            on_lost=self._partition_lost)
@@ -404,7 +409,7 @@ class WaltzServerService(AsyncStartService):
         self.client_factory = ServerFactory(self.partitions, max_frame_size=config["server.maxFrameSize"],
                                             liveness=Liveness(self.reactor))
         factories = (
-            (config["server.port"], self.client_factory),
+            (config["server.port"], server_factory(self.client_factory, self.client_port_tls)),
             (config["server.http.port"], health_site(self.metrics_registry, self.problems)),
         )
         for port, factory in factories:

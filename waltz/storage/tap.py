@@ -16,9 +16,10 @@ from waltz.config import ConfigError
 from waltz.daemon import AsyncStartService
 from waltz.http import health_site
 from waltz.protocols.base import Liveness
-from waltz.storage.config import load_storage_config
+from waltz.storage.config import TLS_PREFIX, load_storage_config
 from waltz.storage.handlers import AdminServerProtocol, NodeFactory, StorageServerProtocol
 from waltz.storage.node import StorageNode
+from waltz.tls import load_tls, server_factory
 from waltz.zk.bridge import ZooKeeperClient
 from waltz.zk.metadata import ClusterMetadata
 
@@ -47,6 +48,7 @@ class StorageService(AsyncStartService):
     def __init__(self, config, reactor):
         super().__init__(reactor)
         self.config = config
+        self.tls = load_tls(config, TLS_PREFIX)     # None: plain TCP
         self.node = StorageNode(config["storage.directory"], reactor,
                                 segment_size_threshold=config["storage.segment.size.threshold"],
                                 segment_cache_capacity=config["storage.segment.cache.capacity"])
@@ -67,8 +69,10 @@ class StorageService(AsyncStartService):
         config, bind = self.config, self.config["storage.bindAddress"]
         max_frame, liveness = config["storage.maxFrameSize"], Liveness(self.reactor)
         factories = (
-            (config["storage.port"], NodeFactory(StorageServerProtocol, self.node, max_frame, liveness)),
-            (config["storage.admin.port"], NodeFactory(AdminServerProtocol, self.node, max_frame, liveness)),
+            (config["storage.port"],
+             server_factory(NodeFactory(StorageServerProtocol, self.node, max_frame, liveness), self.tls)),
+            (config["storage.admin.port"],
+             server_factory(NodeFactory(AdminServerProtocol, self.node, max_frame, liveness), self.tls)),
             (config["storage.http.port"], health_site(self.node.registry, self.problems)),
         )
         for port, factory in factories:

@@ -9,7 +9,7 @@ session id, so the storage fences older sessions.
 """
 
 from twisted.application.internet import ClientService, backoffPolicy
-from twisted.internet import defer, endpoints
+from twisted.internet import defer
 from twisted.logger import Logger
 from zope.interface import implementer
 
@@ -17,6 +17,7 @@ from waltz.interfaces import IReplicaSession
 from waltz.protocols import storage_messages as sm
 from waltz.protocols.base import Liveness
 from waltz.protocols.rpc import ConnectionClosed, RequestClientFactory, StorageClientProtocol
+from waltz.tls import client_endpoint
 
 
 #: Seconds a storage request may stay unanswered before its connection is closed (``storage.requestTimeout``).
@@ -50,7 +51,7 @@ class StorageConnection:
     log = Logger()
 
     def __init__(self, storage, open_request, reactor, initial_retry=0.1, max_retry=20.0, max_frame_size=None,
-                 request_timeout=DEFAULT_REQUEST_TIMEOUT, on_unused=None):
+                 request_timeout=DEFAULT_REQUEST_TIMEOUT, on_unused=None, tls=None):
         self.storage = storage
         #: ``on_unused(connection)``: called when the last replica session using the connection closed.
         self.on_unused = on_unused
@@ -62,7 +63,7 @@ class StorageConnection:
         if max_frame_size:
             settings["max_frame_size"] = max_frame_size
         factory = RequestClientFactory(_PooledStorageProtocol, open_request, **settings)
-        endpoint = endpoints.HostnameEndpoint(reactor, host, int(port), timeout=5)
+        endpoint = client_endpoint(reactor, host, int(port), 5, tls)
         self._service = ClientService(endpoint, factory, retryPolicy=backoffPolicy(initial_retry, max_retry),
                                       clock=reactor)
         self.protocol = None
@@ -139,8 +140,9 @@ class StorageConnectionPool:
     log = Logger()
 
     def __init__(self, open_request, reactor, initial_retry=0.1, max_retry=20.0,
-                 request_timeout=DEFAULT_REQUEST_TIMEOUT, wanted=None):
+                 request_timeout=DEFAULT_REQUEST_TIMEOUT, wanted=None, tls=None):
         self.open_request = open_request
+        self.tls = tls              # a waltz.tls.TLSConfig for every connection, or None (plain TCP)
         self.wanted = wanted
         self.reactor = reactor
         self.initial_retry = initial_retry
@@ -157,7 +159,7 @@ class StorageConnectionPool:
         conn = self.connections.get(storage)
         if conn is None:
             conn = StorageConnection(storage, self.open_request, self.reactor, self.initial_retry, self.max_retry,
-                                     request_timeout=self.request_timeout, on_unused=self._unused)
+                                     request_timeout=self.request_timeout, on_unused=self._unused, tls=self.tls)
             self.connections[storage] = conn
             conn.start()
         return conn

@@ -1,0 +1,270 @@
+"""TLS (waltz.tls): the keys and their checks, and mutual TLS between Waltz protocols on 127.0.0.1."""
+
+import datetime
+import os
+
+import pytest
+import pytest_twisted
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from twisted.internet import defer
+from twisted.internet.protocol import Factory
+
+from waltz.client.config import client_config
+from waltz.config import ConfigError, build_config
+from waltz.local.pki import LocalPKI
+from waltz.protocols import client_messages as m
+from waltz.protocols.base import WaltzProtocol
+from waltz.server.config import SERVER_KEYS, check_server_config
+from waltz.storage.config import STORAGE_KEYS, load_storage_config
+from waltz.tls import client_endpoint, load_tls, server_factory, tls_keys
+
+PREFIX = "server.ssl."
+ZOOKEEPER = {"zookeeper.connectString": "127.0.0.1:2181", "cluster.root": "/waltz"}
+
+
+@pytest.fixture
+def pki(tmp_path):
+    return LocalPKI(str(tmp_path / "pki"))
+
+
+def tls_of(keys, prefix=PREFIX):
+    return load_tls(build_config(keys, tls_keys(prefix)), prefix)
+
+
+# --- keys and their checks --------------------------------------------------------------------
+
+
+def test_no_keys_means_plain_tcp():
+    assert tls_of({}) is None
+
+
+def test_a_full_set_loads_the_certificate_and_roots(pki):
+    tls = tls_of(pki.keys(PREFIX, "server-0"))
+    assert tls.subject == "CN=server-0"
+    assert len(tls.trust_roots) == 1 and tls.chain == ()
+
+
+@pytest.mark.parametrize("missing", ["certificate", "privateKey", "trustRoots"])
+def test_a_key_missing_beside_the_others_is_named(pki, missing):
+    keys = pki.keys(PREFIX, "server-0")
+    del keys[PREFIX + missing]
+    with pytest.raises(ConfigError) as caught:
+        tls_of(keys)
+    assert caught.value.key == PREFIX + missing
+    assert "required when" in str(caught.value)
+
+
+def test_an_unreadable_file_is_named_with_its_key(pki, tmp_path):
+    keys = pki.keys(PREFIX, "server-0")
+    keys[PREFIX + "trustRoots"] = str(tmp_path / "nowhere.pem")
+    with pytest.raises(ConfigError) as caught:
+        tls_of(keys)
+    assert caught.value.key == PREFIX + "trustRoots"
+    assert "nowhere.pem" in str(caught.value) and "cannot read" in str(caught.value)
+
+
+def test_a_file_without_a_certificate_is_refused(pki, tmp_path):
+    keys = pki.keys(PREFIX, "server-0")
+    keys[PREFIX + "certificate"] = keys[PREFIX + "privateKey"]     # a key where the certificate belongs
+    with pytest.raises(ConfigError) as caught:
+        tls_of(keys)
+    assert caught.value.key == PREFIX + "certificate"
+    assert "no PEM certificate" in str(caught.value)
+
+
+def test_a_damaged_certificate_is_refused(pki, tmp_path):
+    keys = pki.keys(PREFIX, "server-0")
+    with open(keys[PREFIX + "trustRoots"], "rb") as stream:
+        text = stream.read()
+    damaged = tmp_path / "damaged.pem"
+    damaged.write_bytes(text.replace(b"\n", b"\nAAAA", 2))
+    keys[PREFIX + "trustRoots"] = str(damaged)
+    with pytest.raises(ConfigError) as caught:
+        tls_of(keys)
+    assert caught.value.key == PREFIX + "trustRoots"
+    assert "not a valid PEM certificate" in str(caught.value)
+
+
+def test_a_key_that_is_not_a_private_key_is_refused(pki):
+    keys = pki.keys(PREFIX, "server-0")
+    keys[PREFIX + "privateKey"] = keys[PREFIX + "certificate"]
+    with pytest.raises(ConfigError) as caught:
+        tls_of(keys)
+    assert caught.value.key == PREFIX + "privateKey"
+
+
+def test_a_private_key_of_another_certificate_is_refused(pki):
+    keys = pki.keys(PREFIX, "server-0")
+    keys[PREFIX + "privateKey"] = pki.keys(PREFIX, "server-1")[PREFIX + "privateKey"]
+    with pytest.raises(ConfigError) as caught:
+        tls_of(keys)
+    assert caught.value.key == PREFIX + "privateKey"
+    assert "is not the key of the certificate" in str(caught.value)
+
+
+def test_an_expired_certificate_is_refused(pki, tmp_path):
+    keys = pki.keys(PREFIX, "server-0")
+    with open(keys[PREFIX + "privateKey"], "rb") as stream:
+        key = serialization.load_pem_private_key(stream.read(), password=None)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "old")])
+    expired = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+               .serial_number(1).not_valid_before(now - datetime.timedelta(days=30))
+               .not_valid_after(now - datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    path = tmp_path / "expired.pem"
+    path.write_bytes(expired.public_bytes(serialization.Encoding.PEM))
+    keys[PREFIX + "certificate"] = str(path)
+    with pytest.raises(ConfigError) as caught:
+        tls_of(keys)
+    assert caught.value.key == PREFIX + "certificate" and "expired" in str(caught.value)
+
+
+def test_the_daemons_and_the_client_check_their_files_when_the_config_is_read(pki, tmp_path):
+    broken = dict(pki.keys("storage.ssl.", "x"), **{"storage.ssl.trustRoots": str(tmp_path / "missing.pem")})
+    storage_file = tmp_path / "storage.yaml"
+    storage_file.write_text("".join("%s: %s\n" % item for item in dict(
+        ZOOKEEPER, **{"storage.directory": str(tmp_path / "data")}, **broken).items()))
+    with pytest.raises(ConfigError) as caught:
+        load_storage_config(str(storage_file))
+    assert caught.value.key == "storage.ssl.trustRoots"
+
+    server = dict(ZOOKEEPER, **pki.keys("server.ssl.", "s"), **{"storage.ssl.certificate": "/nowhere.pem"})
+    with pytest.raises(ConfigError) as caught:
+        check_server_config(build_config(server, SERVER_KEYS))
+    assert caught.value.key == "storage.ssl.privateKey"     # the first key missing beside the one given
+
+    client = dict(ZOOKEEPER, **pki.keys("client.ssl.", "c"))
+    client["client.ssl.privateKey"] = pki.keys("client.ssl.", "d")["client.ssl.privateKey"]
+    with pytest.raises(ConfigError) as caught:
+        client_config(client)
+    assert caught.value.key == "client.ssl.privateKey"
+    assert client_config(dict(ZOOKEEPER, **pki.keys("client.ssl.", "c")))["client.ssl.trustRoots"] == pki.ca_path
+    assert "storage.ssl.certificate" in {key.name for key in STORAGE_KEYS}
+
+
+# --- the handshake, on 127.0.0.1 --------------------------------------------------------------
+
+
+class _Peer(WaltzProtocol):
+    """Either side of a client-family connection: records its handshake and its close."""
+
+    codec = m.CLIENT_CODEC
+
+    def __init__(self):
+        super().__init__()
+        self.made_ready = defer.Deferred()
+        self.closed_with = defer.Deferred()
+
+    def connectionReady(self):
+        self.made_ready.callback(self.version)
+
+    def connectionClosed(self, reason):
+        if not self.made_ready.called:
+            self.made_ready.errback(reason)
+        self.closed_with.callback(reason.value)
+
+
+class _ServerPeer(_Peer):
+    hello_name = "Waltz Server"
+    receives = None      # (any message: this test sends none)
+    # As the daemons' connections: stop reading while the transport cannot take writes (the TLS handshake
+    # holds the Hello back, and a pause passed down to TCP then would never read the handshake's answer).
+    pause_reading_while_unwritable = True
+
+
+class _ClientPeer(_Peer):
+    hello_name = "Waltz Client"
+    receives = m.CLIENT_CODEC.replies
+
+
+class _Listener:
+    """A TLS (or plain) listening port of :class:`_ServerPeer` s on 127.0.0.1."""
+
+    def __init__(self, reactor, tls):
+        self.accepted = []
+        factory = Factory.forProtocol(_ServerPeer)
+        build = factory.buildProtocol
+
+        def record(addr):
+            proto = build(addr)
+            self.accepted.append(proto)
+            return proto
+        factory.buildProtocol = record
+        self.port = reactor.listenTCP(0, server_factory(factory, tls), interface="127.0.0.1")
+
+    def connect(self, reactor, tls):
+        return client_endpoint(reactor, "127.0.0.1", self.port.getHost().port, 5, tls).connect(
+            Factory.forProtocol(_ClientPeer))
+
+
+@pytest_twisted.ensureDeferred
+async def test_mutual_tls_completes_the_hello_both_ways(pki):
+    from twisted.internet import reactor
+    listener = _Listener(reactor, tls_of(pki.keys(PREFIX, "server-0")))
+    try:
+        client = await listener.connect(reactor, tls_of(pki.keys(PREFIX, "client-0")))
+        version = await client.made_ready
+        assert version == max(m.CLIENT_CODEC.versions)
+        assert await listener.accepted[0].made_ready == version
+        # the peer's certificate is the client's: the server authenticated it
+        peer = listener.accepted[0].transport.getPeerCertificate()
+        assert peer.to_cryptography().subject.rfc4514_string() == "CN=client-0"
+        client.transport.loseConnection()
+        await client.closed_with
+    finally:
+        await defer.maybeDeferred(listener.port.stopListening)
+
+
+async def _refused(reactor, listener, tls):
+    """Connect with ``tls``: the connection closes, neither side completes its Hello."""
+    try:
+        client = await listener.connect(reactor, tls)
+    except Exception:
+        return          # (refused during the connect itself)
+    with pytest.raises(Exception):
+        await client.made_ready
+    await client.closed_with
+    for accepted in listener.accepted:
+        await accepted.closed_with
+        assert not accepted.made_ready.called or accepted.made_ready.result is not None
+    assert all(proto.version is None for proto in listener.accepted + [client])
+
+
+@pytest.mark.parametrize("trusting", ["its own CA", "the cluster's CA"])
+@pytest_twisted.ensureDeferred
+async def test_a_certificate_of_another_ca_is_refused(pki, tmp_path, trusting):
+    from twisted.internet import reactor
+    keys = LocalPKI(str(tmp_path / "other-ca")).keys(PREFIX, "intruder")
+    if trusting == "the cluster's CA":
+        keys[PREFIX + "trustRoots"] = pki.ca_path     # it accepts the server: only the server can refuse it
+    listener = _Listener(reactor, tls_of(pki.keys(PREFIX, "server-0")))
+    try:
+        await _refused(reactor, listener, tls_of(keys))
+    finally:
+        await defer.maybeDeferred(listener.port.stopListening)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_plain_client_gets_nothing_from_a_tls_port(pki):
+    from twisted.internet import reactor
+    listener = _Listener(reactor, tls_of(pki.keys(PREFIX, "server-0")))
+    try:
+        await _refused(reactor, listener, None)
+    finally:
+        await defer.maybeDeferred(listener.port.stopListening)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_tls_client_does_not_talk_to_a_plain_port(pki):
+    from twisted.internet import reactor
+    listener = _Listener(reactor, None)
+    try:
+        await _refused(reactor, listener, tls_of(pki.keys(PREFIX, "client-0")))
+    finally:
+        await defer.maybeDeferred(listener.port.stopListening)
+
+
+def test_private_keys_are_written_for_the_owner_only(pki):
+    _, key_path = pki.issue("server-9")
+    assert os.stat(key_path).st_mode & 0o077 == 0
