@@ -118,3 +118,26 @@ def test_an_unanswered_high_water_mark_request_is_sent_again(harness):
     harness.settle(5.0)                       # client.longWaitThreshold
     assert d.result == 0
     assert EP_A in client._servers
+
+
+def test_a_read_of_a_client_that_mounts_nothing_reads_the_partition_map_again(harness):
+    """A read-only client (Spark's) mounts no partition of its own: its reads are what notice a map that
+    missed a change, whether the server answers the read's mount NOT_READY or its batch 'not served'."""
+    harness.commit(0, data=b"r")
+    discovery = refreshing(harness)
+    client = harness.client(**{"client.autoMount": False})
+    harness.server_a.partitions = {1}                   # the map still says A serves partition 0
+    read = []
+    client.read_transactions(0, 0, 0, headers={0}).addCallback(read.append)      # through a mount
+    harness.settle()
+    assert discovery.refreshes == 1 and read == []
+    harness.server_a.partitions = {0, 1}
+    harness.settle(0.5)                                 # client.mountRetryInterval
+    assert [r.data for r in read.pop()] == [b"r"]
+
+    harness.server_a.batch_errors.append("partition 0 is not served here")
+    client.read_transactions(0, 0, 0, committed=True).addCallback(read.append)     # batches, no mount
+    harness.settle(0.5)
+    assert discovery.refreshes == 2
+    harness.settle(0.5)
+    assert [r.data for r in read.pop()] == [b"r"]

@@ -402,7 +402,8 @@ class WaltzClient:
         read = FeedRead(partition_id, client_id, start, end, headers, include_data,
                         locate=lambda: self._locate(partition_id),
                         connector=self._connector, reactor=self._reactor, settings=self.settings,
-                        seq_numbers=self._seq_numbers, committed=committed)
+                        seq_numbers=self._seq_numbers, committed=committed,
+                        on_misrouted=lambda: self._misrouted(partition_id))
         self._reads.add(read)
         try:
             records = yield read.run()

@@ -72,11 +72,13 @@ class FeedRead:
     """One ``read_transactions(partition, start, end, headers, include_data)`` call.
 
     ``locate()`` fires with the partition's current ``PartitionLocation``; ``seq_numbers`` is the
-    client's network-client sequence.
+    client's network-client sequence; ``on_misrouted()`` is called when the server the map names says it
+    does not serve the partition (NOT_READY, or a batch refused as not served there), so that the client
+    reads its map again: a client that only reads mounts nothing else that would notice a missed change.
     """
 
     def __init__(self, partition_id, client_id, start, end, headers, include_data, *, locate,
-                 connector, reactor, settings, seq_numbers, committed=False):
+                 connector, reactor, settings, seq_numbers, committed=False, on_misrouted=None):
         if start < 0:
             raise ValueError("start must be a transaction id >= 0, got %d" % start)
         if end is not None and end < start - 1:
@@ -91,6 +93,7 @@ class FeedRead:
         self.feedless = committed and self.headers is None and include_data and end is not None
         self._planned = False
         self._locate = locate
+        self._on_misrouted = on_misrouted
         self._connector = connector
         self._reactor = reactor
         self._settings = settings
@@ -191,7 +194,10 @@ class FeedRead:
         self._conn.send(m.MountRequest(self._mount_req_id, self.last_received, self._conn.seq_num))
 
     def _remount_later(self):
-        """NOT_READY: look the partition up again and mount after ``client.mountRetryInterval``."""
+        """NOT_READY (or not served there): have the client read its map again, look the partition up again and
+        mount after ``client.mountRetryInterval``."""
+        if self._on_misrouted is not None:
+            self._on_misrouted()
         self._close_connection()
         self._set_state(ReadState.CONNECTING)
         self.cancel_timers()            # the remount sends the waiting batches itself
