@@ -1631,3 +1631,24 @@ def test_an_execute_that_closes_the_client_or_drops_its_partition_ends_its_own_c
     harness.settle()
     assert isinstance(outcome(d).error, error) and context.events[-1] == ("exception", error.__name__)
     assert harness.server_a.messages(m.AppendRequest) == []
+
+
+def test_a_read_through_the_feed_fetches_its_data_on_a_connection_without_the_feed(harness):
+    """The mount's catch-up would go on past ``end`` (to the partition's end) for as long as the data takes:
+    once the feed reached ``end`` the read leaves that connection, and later commits are not fed to it."""
+    for header in range(6):
+        harness.commit(0, header=header % 2, data=b"d%d" % header)
+    held = []
+    harness.server_a.on_TransactionDataBatchRequest = lambda proto, message: held.append((proto, message))
+    client = harness.client(**{"client.autoMount": False})
+    d = client.read_transactions(0, 0, 1, headers={1})
+    harness.settle()
+    [(fetching, request)] = held
+    [mounted] = [proto for proto, message in harness.server_a.received if isinstance(message, m.MountRequest)]
+    assert fetching is not mounted and fetching.mount_seq_nums == []
+    assert mounted not in harness.server_a.connections, "the fed connection is closed"
+    assert request.transaction_ids == (1,)
+    fetching.sendMessage(m.TransactionDataBatchResponse.success(
+        request.req_id, (harness.logs[0].records[1],)))
+    harness.settle()
+    assert [(r.transaction_id, r.data) for r in outcome(d)] == [(1, b"d1")]
