@@ -221,3 +221,15 @@ def test_unknown_partition_and_read_only_updates(control, tmp_path):
     with ControlFile.open(str(tmp_path), read_only=True) as reader:
         with pytest.raises(Exception, match="read-only"):
             reader.update_partition_info(0, session_id=1)
+
+
+def test_an_open_for_writing_removes_what_a_crash_during_create_left(tmp_path):
+    ControlFile.create(str(tmp_path), KEY, 2).close()
+    leftover = tmp_path / (CONTROL_FILE_NAME + ".x1y2z3.tmp")     # as mkstemp names them
+    leftover.write_bytes(b"half a control file")
+    unrelated = tmp_path / "notes.tmp"
+    unrelated.write_bytes(b"")
+    ControlFile.open(str(tmp_path), read_only=True).close()
+    assert leftover.exists(), "a read-only open changes nothing"
+    ControlFile.open(str(tmp_path)).close()
+    assert not leftover.exists() and unrelated.exists()

@@ -185,6 +185,16 @@ def _format_partition(partition_id: int) -> bytes:
             + b"".join(PartitionInfoStruct.encode(info, seq) for seq in _INITIAL_SEQ_NOS))
 
 
+def _remove_leftover_temporary_files(directory):
+    """Delete the temporary files a crash during :meth:`ControlFile.create` left (``<control file>.*.tmp``):
+    nothing reads them. Called with the directory's exclusive lock held."""
+    prefix = CONTROL_FILE_NAME + "."
+    for name in os.listdir(directory):
+        if name.startswith(prefix) and name.endswith(".tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+
+
 class ControlFile:
     """An open control file. Use :meth:`create`, :meth:`open` or :meth:`open_or_create`."""
 
@@ -226,7 +236,8 @@ class ControlFile:
         finally:
             if fd is not None:
                 os.close(fd)
-            os.unlink(tmp_path)
+            with contextlib.suppress(FileNotFoundError):    # (an open holding the lock may have removed it)
+                os.unlink(tmp_path)
         fsync_directory(directory)
         return cls.open(directory)
 
@@ -249,6 +260,8 @@ class ControlFile:
             _lock(fd, directory, shared=read_only)
             header = _read_header(fd, path)
             control = cls(path, fd, header, read_only)
+            if not read_only:
+                _remove_leftover_temporary_files(directory)
             if key is not None or num_partitions is not None:
                 control.verify(key, num_partitions)
             return control
