@@ -104,3 +104,38 @@ def test_the_lock_table_size_is_bounded_before_any_partition_opens(tmp_path, siz
         with pytest.raises(ConfigError, match="config key 'server.optimisticLockTableSize': expected at most "
                                               "4194304 slots per partition"):
             load_config(path, SERVER_KEYS)
+
+
+@pytest.mark.parametrize("key", ["server.idleTimeout", "storage.idleTimeout", "client.idleTimeout"])
+def test_an_idle_timeout_shorter_than_three_keep_alive_intervals_is_refused_naming_the_key(tmp_path, key):
+    from waltz.client.config import CLIENT_KEYS
+    from waltz.server.config import SERVER_KEYS
+    from waltz.storage.config import STORAGE_KEYS
+    keys = {"server": SERVER_KEYS, "storage": STORAGE_KEYS, "client": CLIENT_KEYS}[key.split(".")[0]]
+    base = "zookeeper.connectString: 127.0.0.1:2181\ncluster.root: /x\n"
+    if key.startswith("storage"):
+        base += "storage.directory: %s\n" % tmp_path
+    assert load_config(written(tmp_path, base), keys)[key] == 20000
+    assert load_config(written(tmp_path, base + "%s: 60000\n" % key), keys)[key] == 60000
+    with pytest.raises(ConfigError, match="config key '%s': expected milliseconds from 15000" % key):
+        load_config(written(tmp_path, base + "%s: 10000\n" % key), keys)
+
+
+def test_the_daemons_apply_their_idle_timeout_to_every_connection(tmp_path):
+    from twisted.internet.testing import MemoryReactorClock
+
+    from waltz.server.config import SERVER_KEYS, check_server_config
+    from waltz.server.service import WaltzServerService
+    from waltz.storage.config import load_storage_config
+    from waltz.storage.tap import StorageService
+    reactor = MemoryReactorClock()
+    server = WaltzServerService(check_server_config(load_config(written(
+        tmp_path, "zookeeper.connectString: 127.0.0.1:2181\ncluster.root: /x\nserver.idleTimeout: 45000\n"),
+        SERVER_KEYS)), reactor)
+    assert server.liveness.idle_timeout == 45.0
+    storage = StorageService(load_storage_config(written(
+        tmp_path, "zookeeper.connectString: 127.0.0.1:2181\ncluster.root: /x\nstorage.directory: %s\n"
+                  "storage.idleTimeout: 50000\n" % (tmp_path / "data"))), reactor)
+    storage._listen()
+    factories = [port.args[1] for port in storage.ports[:2]]
+    assert [factory.liveness.idle_timeout for factory in factories] == [50.0, 50.0]

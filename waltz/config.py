@@ -111,6 +111,26 @@ def non_negative_milliseconds(value):
     return number
 
 
+#: The shortest idle timeout accepted (ms): three keep-alive intervals (``waltz.protocols.base``), so that a
+#: peer that writes nothing keeps the connection with its keep-alives even when one of them is late.
+MIN_IDLE_TIMEOUT_MS = 15000
+
+
+def idle_timeout_milliseconds(value):
+    """A connection's idle timeout in milliseconds, :data:`MIN_IDLE_TIMEOUT_MS` to :data:`MAX_MILLISECONDS`."""
+    number = _parse_int(value)
+    if not MIN_IDLE_TIMEOUT_MS <= number <= MAX_MILLISECONDS:
+        raise ValueError("expected milliseconds from %d (three 5 s keep-alive intervals) to %d (a day), got %d"
+                         % (MIN_IDLE_TIMEOUT_MS, MAX_MILLISECONDS, number))
+    return number
+
+
+def liveness_of(config, key, reactor):
+    """The :class:`~waltz.protocols.base.Liveness` of connections whose idle timeout is the config ``key``."""
+    from waltz.protocols.base import Liveness
+    return Liveness(reactor, idle_timeout=config[key] / 1000.0)
+
+
 def bind_address(value):
     """An IP address literal to bind ports to (``0.0.0.0`` every IPv4 interface, ``::`` every one)."""
     text = _parse_str(value).strip()

@@ -1652,3 +1652,21 @@ def test_a_read_through_the_feed_fetches_its_data_on_a_connection_without_the_fe
         request.req_id, (harness.logs[0].records[1],)))
     harness.settle()
     assert [(r.transaction_id, r.data) for r in outcome(d)] == [(1, b"d1")]
+
+
+def test_client_idle_timeout_sets_when_a_silent_server_connection_is_dropped(harness):
+    """The fake servers send no keep-alives: a connection hears nothing once the mount is done."""
+    default = harness.client()
+    patient = harness.client(**{"client.idleTimeout": 40000})
+
+    def seq_nums(client):
+        connections = client._servers[EP_A]
+        return connections.stream.seq_num, connections.rpc.seq_num
+    before = {client: seq_nums(client) for client in (default, patient)}
+    for _ in range(30):         # past 20 s and a liveness tick: the default client dropped both and reconnected
+        harness.settle(1)
+    assert seq_nums(default) != before[default]
+    assert seq_nums(patient) == before[patient]
+    for _ in range(20):         # past 40 s: the patient one too
+        harness.settle(1)
+    assert seq_nums(patient) != before[patient]

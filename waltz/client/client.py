@@ -209,7 +209,7 @@ class WaltzClient:
     def _new_connection(self, endpoint, role):
         backoff = Backoff(self.settings.reconnect_initial_interval, self.settings.reconnect_max_interval)
         return ManagedConnection(endpoint, role, self, self._connector, self._reactor, backoff, self._seq_numbers,
-                                 self.settings.connect_timeout)
+                                 self.settings.connect_timeout, self.settings.idle_timeout)
 
     def _locate(self, partition_id):
         """Fires with the partition's location once one is known."""

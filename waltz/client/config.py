@@ -13,8 +13,8 @@ from collections.abc import Mapping
 import attr
 
 from waltz.config import (
-    ZOOKEEPER_KEYS, Config, ConfigError, Key, build_config, load_config, milliseconds, non_negative_int,
-    non_negative_milliseconds, positive_int)
+    ZOOKEEPER_KEYS, Config, ConfigError, Key, build_config, idle_timeout_milliseconds, load_config, milliseconds,
+    non_negative_int, non_negative_milliseconds, positive_int)
 from waltz.tls import load_tls, tls_keys
 
 #: The ``client.*`` keys (the zookeeper and cluster keys come from :data:`waltz.config.ZOOKEEPER_KEYS`).
@@ -44,6 +44,9 @@ CLIENT_ONLY_KEYS = (
         "ms before applyTransaction is called again after it failed (doubles up to 10 s)"),
     Key("client.maxDataRequestsInFlight", positive_int, 256,
         "transaction-data requests outstanding per read_transactions call"),
+    Key("client.idleTimeout", idle_timeout_milliseconds, 20000,
+        "ms without receiving anything (not even a keep-alive) after which a connection to a server is closed "
+        "and opened again"),
 )
 
 #: The prefix of the client's TLS keys (``certificate``, ``privateKey``, ``trustRoots``: see :mod:`waltz.tls`).
@@ -76,6 +79,7 @@ class ClientSettings:
     connect_timeout: float = 10.0
     apply_retry_interval: float = 0.1
     max_data_requests_in_flight: int = 256
+    idle_timeout: float = 20.0
 
     def retry_later_delay(self, refusals: int) -> float:
         """Seconds before asking again for data the server could not read right now ("try again later"),
@@ -99,6 +103,7 @@ class ClientSettings:
             connect_timeout=_seconds(config["client.connectTimeout"]),
             apply_retry_interval=_seconds(config["client.applyRetryInterval"]),
             max_data_requests_in_flight=config["client.maxDataRequestsInFlight"],
+            idle_timeout=_seconds(config["client.idleTimeout"]),
         )
 
 

@@ -25,7 +25,7 @@ from twisted.internet import defer
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 
-from waltz.protocols.base import Liveness, WaltzProtocol
+from waltz.protocols.base import IDLE_TIMEOUT, Liveness, WaltzProtocol
 from waltz.protocols.client_messages import CLIENT_CODEC, TransactionDataResponse
 from waltz.protocols.errors import ChecksumError
 from waltz.protocols.primitives import Reader
@@ -126,16 +126,17 @@ class ClientProtocol(WaltzProtocol):
 class _ProtocolFactory(Factory):
     noisy = False
 
-    def __init__(self, owner, clock, seq_num):
+    def __init__(self, owner, clock, seq_num, idle_timeout):
         self.owner = owner
         self.clock = clock
         self.seq_num = seq_num
+        self.idle_timeout = idle_timeout
 
     def buildProtocol(self, addr):
         proto = ClientProtocol()
         proto.factory = self
         proto.owner = self.owner
-        Liveness(self.clock).apply(proto)
+        Liveness(self.clock, idle_timeout=self.idle_timeout).apply(proto)
         return proto
 
 
@@ -201,7 +202,8 @@ class ManagedConnection:
     accepts and never answers) is dropped and retried.
     """
 
-    def __init__(self, endpoint, role, listener, connector, reactor, backoff, seq_numbers, handshake_timeout=10.0):
+    def __init__(self, endpoint, role, listener, connector, reactor, backoff, seq_numbers, handshake_timeout=10.0,
+                 idle_timeout=IDLE_TIMEOUT):
         self.endpoint = endpoint
         self.role = role
         self._listener = listener
@@ -215,6 +217,7 @@ class ManagedConnection:
         self._attempt = None
         self._retry_call = None
         self._handshake_timeout = handshake_timeout
+        self._idle_timeout = idle_timeout
         self._handshake_call = None
         self._ready_since = None
 
@@ -240,7 +243,7 @@ class ManagedConnection:
         self.seq_num = next(self._seq_numbers)
         self._set_state(ConnectionState.CONNECTING)
         attempt = self._attempt = defer.maybeDeferred(
-            self._connector, self.endpoint, _ProtocolFactory(self, self._reactor, self.seq_num))
+            self._connector, self.endpoint, _ProtocolFactory(self, self._reactor, self.seq_num, self._idle_timeout))
         attempt.addCallbacks(self._connected, self._connect_failed,
                              callbackArgs=(attempt,), errbackArgs=(attempt,))
 

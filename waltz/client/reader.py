@@ -159,7 +159,8 @@ class FeedRead:
         self._location = location
         backoff = Backoff(self._settings.reconnect_initial_interval, self._settings.reconnect_max_interval)
         self._conn = ManagedConnection(location.endpoint, "reader", self, self._connector, self._reactor,
-                                       backoff, self._seq_numbers, self._settings.connect_timeout)
+                                       backoff, self._seq_numbers, self._settings.connect_timeout,
+                                       self._settings.idle_timeout)
         self._conn.start()
 
     def connection_ready(self, conn):

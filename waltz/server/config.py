@@ -19,7 +19,7 @@ The keys and defaults are the original's (``WaltzServerConfig``), except:
 """
 
 from waltz.config import (ZOOKEEPER_KEYS, ConfigError, Key, bind_address, check_distinct_ports, frame_size,
-                          load_config, milliseconds, non_negative_int, port, positive_int)
+                          idle_timeout_milliseconds, load_config, milliseconds, non_negative_int, port, positive_int)
 from waltz.server.caches import HEADER_BYTES, FeedCache
 from waltz.tls import load_tls, tls_keys
 
@@ -95,6 +95,9 @@ SERVER_KEYS = ZOOKEEPER_KEYS + (
     Key("server.minFetchSize", positive_int, 100, "feed items granted per feed request at least"),
     Key("server.realtimeThreshold", positive_int, 1000, "feeds closer than this to the end are realtime"),
     Key("server.maxFrameSize", frame_size, 64 * MIB, "largest accepted client frame in bytes (at least 16 MiB)"),
+    Key("server.idleTimeout", idle_timeout_milliseconds, 20000,
+        "ms without receiving anything (not even a keep-alive) after which a connection to a client or a storage "
+        "node is closed"),
     Key("storage.maxBatchSize", positive_int, 100, "appends per replicated batch"),
     Key("storage.initialRetryInterval", milliseconds, 100, "first storage reconnect delay, ms"),
     Key("storage.maxRetryInterval", milliseconds, 20000, "longest storage reconnect delay, ms"),

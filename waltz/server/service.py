@@ -31,11 +31,10 @@ from twisted.application import internet
 from twisted.internet import defer, task
 from twisted.logger import Logger
 
-from waltz.config import ConfigError
+from waltz.config import ConfigError, liveness_of
 from waltz.daemon import AsyncStartService
 from waltz.http import health_site
 from waltz.metrics import Registry
-from waltz.protocols.base import Liveness
 from waltz.server.caches import FeedCache, TransactionDataCache
 from waltz.server.config import CLIENT_PORT_TLS_PREFIX, STORAGE_TLS_PREFIX, partition_settings
 from waltz.server.membership import InvalidPartitions, MembershipState, ServerMembership, check_partitions
@@ -357,6 +356,7 @@ class WaltzServerService(AsyncStartService):
         # fails here, before anything starts.
         self.client_port_tls = load_tls(config, CLIENT_PORT_TLS_PREFIX)
         self.storage_tls = load_tls(config, STORAGE_TLS_PREFIX)
+        self.liveness = liveness_of(config, "server.idleTimeout", reactor)     # of every connection
 
     @property
     def server_id(self):
@@ -378,7 +378,8 @@ class WaltzServerService(AsyncStartService):
                            initial_retry=config["storage.initialRetryInterval"] / 1000.0,
                            max_retry=config["storage.maxRetryInterval"] / 1000.0,
                            request_timeout=config["storage.requestTimeout"] / 1000.0,
-                           metrics=StoreMetrics(self.metrics_registry), tls=self.storage_tls)
+                           metrics=StoreMetrics(self.metrics_registry), tls=self.storage_tls,
+                           liveness=self.liveness)
         yield self.store.start()
         self.partitions = ServerPartitions(self.store, self.partition_factory, self.metrics, reactor=self.reactor,
                                            on_lost=self._partition_lost)
@@ -407,7 +408,7 @@ class WaltzServerService(AsyncStartService):
     def _listen(self):
         config, bind = self.config, self.config["server.bindAddress"]
         self.client_factory = ServerFactory(self.partitions, max_frame_size=config["server.maxFrameSize"],
-                                            liveness=Liveness(self.reactor))
+                                            liveness=self.liveness)
         factories = (
             (config["server.port"], server_factory(self.client_factory, self.client_port_tls)),
             (config["server.http.port"], health_site(self.metrics_registry, self.problems)),

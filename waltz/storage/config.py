@@ -5,7 +5,8 @@ storage and admin ports (:mod:`waltz.tls`); the HTTP port stays plain.
 """
 
 from waltz.config import (
-    ZOOKEEPER_KEYS, Key, bind_address, check_distinct_ports, directory, frame_size, load_config, port, positive_int)
+    ZOOKEEPER_KEYS, Key, bind_address, check_distinct_ports, directory, frame_size, idle_timeout_milliseconds,
+    load_config, port, positive_int)
 from waltz.tls import load_tls, tls_keys
 
 #: The prefix of the storage's TLS keys (its storage and admin ports).
@@ -21,6 +22,8 @@ STORAGE_KEYS = ZOOKEEPER_KEYS + (
         "bytes after which a partition rolls to a new segment"),
     Key("storage.segment.cache.capacity", positive_int, 5, "closed segments kept open per partition"),
     Key("storage.maxFrameSize", frame_size, 64 * 1024 * 1024, "largest accepted frame in bytes (at least 16 MiB)"),
+    Key("storage.idleTimeout", idle_timeout_milliseconds, 20000,
+        "ms without receiving anything (not even a keep-alive) after which a connection is closed"),
 ) + tls_keys(TLS_PREFIX)
 
 PORT_KEYS = ("storage.port", "storage.admin.port", "storage.http.port")

@@ -12,10 +12,9 @@ from twisted.application import internet
 from twisted.internet import defer
 from twisted.python import usage
 
-from waltz.config import ConfigError
+from waltz.config import ConfigError, liveness_of
 from waltz.daemon import AsyncStartService
 from waltz.http import health_site
-from waltz.protocols.base import Liveness
 from waltz.storage.config import TLS_PREFIX, load_storage_config
 from waltz.storage.handlers import AdminServerProtocol, NodeFactory, StorageServerProtocol
 from waltz.storage.node import StorageNode
@@ -67,7 +66,7 @@ class StorageService(AsyncStartService):
 
     def _listen(self):
         config, bind = self.config, self.config["storage.bindAddress"]
-        max_frame, liveness = config["storage.maxFrameSize"], Liveness(self.reactor)
+        max_frame, liveness = config["storage.maxFrameSize"], liveness_of(config, "storage.idleTimeout", self.reactor)
         factories = (
             (config["storage.port"],
              server_factory(NodeFactory(StorageServerProtocol, self.node, max_frame, liveness), self.tls)),

@@ -51,7 +51,7 @@ class StorageConnection:
     log = Logger()
 
     def __init__(self, storage, open_request, reactor, initial_retry=0.1, max_retry=20.0, max_frame_size=None,
-                 request_timeout=DEFAULT_REQUEST_TIMEOUT, on_unused=None, tls=None):
+                 request_timeout=DEFAULT_REQUEST_TIMEOUT, on_unused=None, tls=None, liveness=None):
         self.storage = storage
         #: ``on_unused(connection)``: called when the last replica session using the connection closed.
         self.on_unused = on_unused
@@ -59,7 +59,8 @@ class StorageConnection:
         host, _, port = storage.rpartition(":")
         # Liveness: a silent storage (gone, or its network cut) and one that stops answering requests
         # (a hung disk) both close the connection, failing its requests, instead of holding them.
-        settings = {"owner": self, "request_timeout": request_timeout, **Liveness(reactor).settings()}
+        liveness = liveness if liveness is not None else Liveness(reactor)
+        settings = {"owner": self, "request_timeout": request_timeout, **liveness.settings()}
         if max_frame_size:
             settings["max_frame_size"] = max_frame_size
         factory = RequestClientFactory(_PooledStorageProtocol, open_request, **settings)
@@ -140,9 +141,10 @@ class StorageConnectionPool:
     log = Logger()
 
     def __init__(self, open_request, reactor, initial_retry=0.1, max_retry=20.0,
-                 request_timeout=DEFAULT_REQUEST_TIMEOUT, wanted=None, tls=None):
+                 request_timeout=DEFAULT_REQUEST_TIMEOUT, wanted=None, tls=None, liveness=None):
         self.open_request = open_request
         self.tls = tls              # a waltz.tls.TLSConfig for every connection, or None (plain TCP)
+        self.liveness = liveness    # every connection's Liveness, or None (the default)
         self.wanted = wanted
         self.reactor = reactor
         self.initial_retry = initial_retry
@@ -159,7 +161,8 @@ class StorageConnectionPool:
         conn = self.connections.get(storage)
         if conn is None:
             conn = StorageConnection(storage, self.open_request, self.reactor, self.initial_retry, self.max_retry,
-                                     request_timeout=self.request_timeout, on_unused=self._unused, tls=self.tls)
+                                     request_timeout=self.request_timeout, on_unused=self._unused, tls=self.tls,
+                                     liveness=self.liveness)
             self.connections[storage] = conn
             conn.start()
         return conn

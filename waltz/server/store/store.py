@@ -91,9 +91,10 @@ class Store:
 
     def __init__(self, cluster, reactor, max_batch_size=100, checkpoint_interval=250_000, initial_retry=0.1,
                  max_retry=20.0, metrics=None, recovery_retry_interval=0.5, max_batches_in_flight=4,
-                 request_timeout=DEFAULT_REQUEST_TIMEOUT, tls=None):
+                 request_timeout=DEFAULT_REQUEST_TIMEOUT, tls=None, liveness=None):
         self.cluster = cluster
         self.tls = tls          # a waltz.tls.TLSConfig for the storage connections, or None (plain TCP)
+        self.liveness = liveness    # the storage connections' Liveness (None: the default keep-alives)
         self.reactor = reactor
         self.max_batch_size = max_batch_size
         self.max_batches_in_flight = max_batches_in_flight
@@ -115,7 +116,8 @@ class Store:
         self.params = yield self.cluster.store_params()
         open_request = sm.OpenRequest.create(self.params.key, self.params.num_partitions)
         self.pool = StorageConnectionPool(open_request, self.reactor, self.initial_retry, self.max_retry,
-                                          self.request_timeout, wanted=self.assigned_storages, tls=self.tls)
+                                          self.request_timeout, wanted=self.assigned_storages, tls=self.tls,
+                                          liveness=self.liveness)
         self.sessions = StoreSessionManager(self.cluster, self.pool, self.reactor, self.replicas_of, self.metrics,
                                             self.recovery_retry_interval)
         self._apply_assignment((yield self.cluster.replica_assignments()))
