@@ -23,7 +23,8 @@ def commented_keys_in(path):
 
 
 def tls_keys_named(prefixes):
-    return {prefix + suffix for prefix in prefixes for suffix in ("certificate", "privateKey", "trustRoots")}
+    return {prefix + suffix for prefix in prefixes
+            for suffix in ("certificate", "privateKey", "trustRoots", "verifyHostname")}
 
 
 def test_the_server_config_loads_and_names_every_key_but_the_optional_preferences_and_tls():

@@ -268,3 +268,32 @@ async def test_a_tls_client_does_not_talk_to_a_plain_port(pki):
 def test_private_keys_are_written_for_the_owner_only(pki):
     _, key_path = pki.issue("server-9")
     assert os.stat(key_path).st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest_twisted.ensureDeferred
+async def test_a_connection_checks_that_the_certificate_names_the_host_it_connects_to(pki, verify):
+    """Any certificate of the cluster's CA passes the chain check: with verifyHostname (the default) a client's
+    or a storage node's certificate cannot stand in for the server it connects to."""
+    from twisted.internet import reactor
+    cert, key = pki.issue("elsewhere", hosts=("elsewhere.example",))
+    listener = _Listener(reactor, tls_of({PREFIX + "certificate": cert, PREFIX + "privateKey": key,
+                                          PREFIX + "trustRoots": pki.ca_path}))
+    client_keys = dict(pki.keys(PREFIX, "client-0"), **{PREFIX + "verifyHostname": verify})
+    try:
+        if verify:
+            await _refused(reactor, listener, tls_of(client_keys))
+        else:
+            client = await listener.connect(reactor, tls_of(client_keys))
+            assert await client.made_ready == max(m.CLIENT_CODEC.versions)
+            client.close("done", expected=True)
+            await client.closed_with
+    finally:
+        await defer.maybeDeferred(listener.port.stopListening)
+
+
+def test_verify_hostname_is_on_unless_set_off(pki):
+    assert tls_of(pki.keys(PREFIX, "a")).verify_hostname is True
+    assert tls_of(dict(pki.keys(PREFIX, "a"), **{PREFIX + "verifyHostname": "false"})).verify_hostname is False
+    with pytest.raises(ConfigError, match="config key 'server.ssl.verifyHostname'"):
+        tls_of(dict(pki.keys(PREFIX, "a"), **{PREFIX + "verifyHostname": "sometimes"}))

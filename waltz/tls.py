@@ -54,9 +54,17 @@ def pem_path(value):
     return os.path.abspath(os.path.expanduser(value.strip()))
 
 
+#: The key under a TLS prefix that says whether a connection this process opens checks the peer's host name.
+VERIFY_HOSTNAME = "verifyHostname"
+
+
 def tls_keys(prefix):
-    """The three optional :class:`~waltz.config.Key` entries under ``prefix`` (e.g. ``"server.ssl."``)."""
-    return tuple(Key(prefix + suffix, pem_path, None, _DOCS[suffix]) for suffix in SUFFIXES)
+    """The optional :class:`~waltz.config.Key` entries under ``prefix`` (e.g. ``"server.ssl."``): the three
+    files, and ``verifyHostname``."""
+    return tuple(Key(prefix + suffix, pem_path, None, _DOCS[suffix]) for suffix in SUFFIXES) + (
+        Key(prefix + VERIFY_HOSTNAME, bool, True,
+            "whether a connection this process opens checks that the peer's certificate names the host it "
+            "connects to (false: any certificate of the trust roots is accepted, as in the original)"),)
 
 
 def _read(path, key):
@@ -99,6 +107,9 @@ class TLSConfig:
     chain = attr.ib()               # intermediate CAs sent after the certificate: tuple of x509.Certificate
     private_key = attr.ib()         # a cryptography private key
     trust_roots = attr.ib()         # tuple of x509.Certificate
+    #: Whether the connections this process opens check that the peer's certificate names the host.
+    verify_hostname = attr.ib(default=True)
+    _by_hostname = attr.ib(factory=dict, init=False, repr=False)    # host -> its client connection creator
 
     def __repr__(self):
         return "<TLSConfig %s subject=%s>" % (self.prefix, self.subject)
@@ -113,15 +124,31 @@ class TLSConfig:
         """The :class:`twisted.internet.ssl.CertificateOptions` for either side of a connection: present the
         certificate, and require the peer's, verified against the trust roots. (One for all the connections of
         a process: it makes its OpenSSL context once.)"""
-        return ssl.CertificateOptions(
-            privateKey=self.private_key, certificate=self.certificate, extraCertChain=list(self.chain),
-            trustRoot=ssl.trustRootFromCertificates(
-                [ssl.Certificate(crypto.X509.from_cryptography(root)) for root in self.trust_roots]),
-            raiseMinimumTo=ssl.TLSVersion.TLSv1_2)
+        return ssl.CertificateOptions(trustRoot=self._trust_root(), **self._identity())
 
-    def wrap_client(self, endpoint):
-        """``endpoint`` (a client endpoint) with TLS over it."""
-        return _TLSClientEndpoint(self.options, endpoint)
+    def _identity(self):
+        return dict(privateKey=self.private_key, certificate=self.certificate, extraCertChain=list(self.chain),
+                    raiseMinimumTo=ssl.TLSVersion.TLSv1_2)
+
+    def _trust_root(self):
+        return ssl.trustRootFromCertificates(
+            [ssl.Certificate(crypto.X509.from_cryptography(root)) for root in self.trust_roots])
+
+    def client_options(self, hostname):
+        """What a connection to ``hostname`` negotiates with: :attr:`options`, and with :attr:`verify_hostname`
+        a check that the peer's certificate names ``hostname`` (a DNS name or an IP address, in its subject
+        alternative names), as a web client checks a server's."""
+        if not self.verify_hostname:
+            return self.options
+        creator = self._by_hostname.get(hostname)
+        if creator is None:
+            creator = self._by_hostname[hostname] = ssl.optionsForClientTLS(
+                hostname, trustRoot=self._trust_root(), extraCertificateOptions=self._identity())
+        return creator
+
+    def wrap_client(self, endpoint, hostname):
+        """``endpoint`` (a client endpoint to ``hostname``) with TLS over it."""
+        return _TLSClientEndpoint(self.client_options(hostname), endpoint)
 
     def wrap_server_factory(self, factory):
         """A factory for a listening port that speaks TLS and hands the decrypted stream to ``factory``."""
@@ -207,13 +234,14 @@ def load_tls(config, prefix):
     except SSL.Error:
         raise ConfigError("config key '%s': the private key in %s is not the key of the certificate in %s"
                           % (private_key_key, paths["privateKey"], paths["certificate"]), private_key_key) from None
-    return TLSConfig(prefix, certificates[0], tuple(certificates[1:]), private_key, tuple(roots))
+    return TLSConfig(prefix, certificates[0], tuple(certificates[1:]), private_key, tuple(roots),
+                     config.get(prefix + VERIFY_HOSTNAME, True))
 
 
 def client_endpoint(reactor, host, port, timeout, tls=None):
     """An endpoint connecting to ``host:port``, through TLS when ``tls`` (a :class:`TLSConfig`) is given."""
     endpoint = endpoints.HostnameEndpoint(reactor, host, port, timeout=timeout)
-    return endpoint if tls is None else tls.wrap_client(endpoint)
+    return endpoint if tls is None else tls.wrap_client(endpoint, host)
 
 
 def server_factory(factory, tls=None):

@@ -19,6 +19,7 @@ from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks
 from waltz.client.config import TLS_PREFIX as CLIENT_TLS_PREFIX
 from waltz.config import expiration_ms
 from waltz.tls import SUFFIXES as TLS_SUFFIXES
+from waltz.tls import VERIFY_HOSTNAME
 
 #: The keys of the ``-c`` file and flags (:func:`~waltz.cli.cluster.connection_config`) a Waltz client takes.
 _CLIENT_ZOOKEEPER_KEYS = ("zookeeper.connectString", "zookeeper.connectTimeout", "zookeeper.sessionTimeout",
@@ -40,11 +41,11 @@ class _Nothing(WaltzClientCallbacks):
 
 def client_config(config, **extra):
     """A Waltz client's config for the cluster of ``config`` (a :func:`~waltz.cli.cluster.connection_config`):
-    its ZooKeeper connect string and timeouts and the cluster root, its ``ssl.*`` files as the client's
+    its ZooKeeper connect string and timeouts and the cluster root, its ``ssl.*`` keys as the client's
     ``client.ssl.*``, plus the ``extra`` client keys."""
     values = {key: config[key] for key in _CLIENT_ZOOKEEPER_KEYS}
-    values.update({CLIENT_TLS_PREFIX + suffix: config[TLS_PREFIX + suffix] for suffix in TLS_SUFFIXES
-                   if config.get(TLS_PREFIX + suffix) is not None})
+    values.update({CLIENT_TLS_PREFIX + suffix: config[TLS_PREFIX + suffix]
+                   for suffix in TLS_SUFFIXES + (VERIFY_HOSTNAME,) if config.get(TLS_PREFIX + suffix) is not None})
     values.update(extra)
     return values
 

@@ -195,5 +195,5 @@ def connect_storage_client(reactor, host, port, cluster_key, num_partitions, adm
                                        storage_messages.OpenRequest.create(cluster_key, num_partitions))
     endpoint = endpoints.HostnameEndpoint(reactor, host, port, timeout=timeout)
     if tls is not None:
-        endpoint = tls.wrap_client(endpoint)
+        endpoint = tls.wrap_client(endpoint, host)
     return endpoint.connect(factory)
