@@ -97,6 +97,23 @@ async def test_a_rejected_write_fails_alone(worker, disk):
 
 
 @pytest_twisted.ensureDeferred
+async def test_answers_come_in_the_order_of_the_writes_a_refused_one_after_the_synced_ones_before_it(worker, disk):
+    disk.release.clear()
+    blocker = worker.submit_write(disk.write, "first")       # holds the worker in its sync
+    assert await threads.deferToThread(disk.sync_entered.wait, 10)
+    answered = []
+    jobs = [worker.submit_write(disk.write, value) for value in ("ok", "bad", "after")]
+    for value, d in zip(("ok", "bad", "after"), jobs):
+        d.addBoth(lambda result, value=value: answered.append(value))
+    disk.release.set()                                        # the three now run as one batch
+    await blocker
+    await defer.DeferredList(jobs)
+    assert answered == ["ok", "bad", "after"]
+    # "ok" was synced before the refusal of "bad" was answered; "after" had a sync of its own
+    assert disk.events[-4:] == [("write", "ok"), ("sync",), ("write", "after"), ("sync",)]
+
+
+@pytest_twisted.ensureDeferred
 async def test_failed_sync_fails_its_writes_and_every_later_job(worker, disk):
     disk.fail_sync = True
     with pytest.raises(OSError):

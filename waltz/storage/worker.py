@@ -131,10 +131,16 @@ class PartitionWorker:
         for job in batch:
             if job.is_write:
                 outcome = self._call(job)
-                if isinstance(outcome, Failure):
-                    results.append((job.deferred, outcome))
-                else:
+                if not isinstance(outcome, Failure):
                     uncommitted.append((job.deferred, outcome))
+                    continue
+                # A refused write is answered in its turn, after the writes before it, which are synced first:
+                # a peer reading the answers in order must not see a later append fail before an earlier one
+                # succeeds.
+                if uncommitted:
+                    self._commit(uncommitted, results, commits)
+                    uncommitted = []
+                results.append((job.deferred, outcome))
                 continue
             if uncommitted:
                 self._commit(uncommitted, results, commits)
