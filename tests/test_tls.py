@@ -7,7 +7,7 @@ import pytest
 import pytest_twisted
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from twisted.internet import defer
+from twisted.internet import defer, endpoints
 from twisted.internet.protocol import Factory
 
 from waltz.client.config import client_config
@@ -103,21 +103,23 @@ def test_a_private_key_of_another_certificate_is_refused(pki):
     assert "is not the key of the certificate" in str(caught.value)
 
 
-def test_an_expired_certificate_is_refused(pki, tmp_path):
+@pytest.mark.parametrize("valid_from_days, valid_to_days, problem", [
+    (-30, -1, "expired on"), (2, 30, "is not valid before")])
+def test_a_certificate_outside_its_validity_is_refused(pki, tmp_path, valid_from_days, valid_to_days, problem):
     keys = pki.keys(PREFIX, "server-0")
     with open(keys[PREFIX + "privateKey"], "rb") as stream:
         key = serialization.load_pem_private_key(stream.read(), password=None)
     now = datetime.datetime.now(datetime.timezone.utc)
     name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "old")])
-    expired = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-               .serial_number(1).not_valid_before(now - datetime.timedelta(days=30))
-               .not_valid_after(now - datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
-    path = tmp_path / "expired.pem"
-    path.write_bytes(expired.public_bytes(serialization.Encoding.PEM))
+    outside = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+               .serial_number(1).not_valid_before(now + datetime.timedelta(days=valid_from_days))
+               .not_valid_after(now + datetime.timedelta(days=valid_to_days)).sign(key, hashes.SHA256()))
+    path = tmp_path / "outside.pem"
+    path.write_bytes(outside.public_bytes(serialization.Encoding.PEM))
     keys[PREFIX + "certificate"] = str(path)
     with pytest.raises(ConfigError) as caught:
         tls_of(keys)
-    assert caught.value.key == PREFIX + "certificate" and "expired" in str(caught.value)
+    assert caught.value.key == PREFIX + "certificate" and problem in str(caught.value)
 
 
 def test_the_daemons_and_the_client_check_their_files_when_the_config_is_read(pki, tmp_path):
@@ -179,15 +181,17 @@ class _ClientPeer(_Peer):
 
 
 class _Listener:
-    """A TLS (or plain) listening port of :class:`_ServerPeer` s on 127.0.0.1."""
+    """A TLS (or plain) listening port of :class:`_ServerPeer` s on 127.0.0.1 (with ``liveness`` applied)."""
 
-    def __init__(self, reactor, tls):
+    def __init__(self, reactor, tls, liveness=None):
         self.accepted = []
         factory = Factory.forProtocol(_ServerPeer)
         build = factory.buildProtocol
 
         def record(addr):
             proto = build(addr)
+            if liveness is not None:
+                liveness.apply(proto)
             self.accepted.append(proto)
             return proto
         factory.buildProtocol = record
@@ -297,3 +301,72 @@ def test_verify_hostname_is_on_unless_set_off(pki):
     assert tls_of(dict(pki.keys(PREFIX, "a"), **{PREFIX + "verifyHostname": "false"})).verify_hostname is False
     with pytest.raises(ConfigError, match="config key 'server.ssl.verifyHostname'"):
         tls_of(dict(pki.keys(PREFIX, "a"), **{PREFIX + "verifyHostname": "sometimes"}))
+
+
+@pytest.mark.parametrize("tls", [True, False])
+@pytest_twisted.ensureDeferred
+async def test_a_peer_that_never_completes_the_handshake_is_dropped_by_the_idle_timeout(pki, tls):
+    """The Hello waits for the TLS handshake, and a daemon's connection stops reading while its Hello waits:
+    that pause must not count as this side's own silence, or a peer that never finishes its handshake would
+    hold the connection (and a file descriptor) for good."""
+    from twisted.internet import reactor, task
+    from twisted.internet.protocol import Protocol
+    from waltz.protocols.base import Liveness
+    listener = _Listener(reactor, tls_of(pki.keys(PREFIX, "server-0")) if tls else None,
+                         Liveness(reactor, interval=0.1, idle_timeout=0.3))
+    silent = await endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", listener.port.getHost().port).connect(
+        Factory.forProtocol(Protocol))
+    try:
+        for _ in range(40):
+            if listener.accepted and listener.accepted[0].closed:
+                break
+            await task.deferLater(reactor, 0.05, lambda: None)
+        assert listener.accepted and listener.accepted[0].closed
+    finally:
+        silent.transport.abortConnection()
+        await defer.maybeDeferred(listener.port.stopListening)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_connect_fails_with_the_handshake_and_the_reason_is_logged(pki, tmp_path):
+    """A refused handshake is a failed connection attempt (so a reconnecting caller backs off), and says why."""
+    from twisted.internet import reactor
+    from twisted.logger import globalLogPublisher
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    listener = _Listener(reactor, tls_of(pki.keys(PREFIX, "server-0")))
+    try:
+        with pytest.raises(Exception) as caught:
+            await listener.connect(reactor, tls_of(LocalPKI(str(tmp_path / "other")).keys(PREFIX, "c")))
+        assert "certificate verify failed" in str(caught.value)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+        await defer.maybeDeferred(listener.port.stopListening)
+    lines = [e.get("log_format", "").format(**{k: v for k, v in e.items() if isinstance(k, str)})
+             for e in events if e.get("log_format", "").startswith("TLS handshake")]
+    assert any("127.0.0.1" in line and "certificate verify failed" in line for line in lines), lines
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_close_while_reading_is_paused_finishes_at_once_and_cleanly(pki):
+    """A daemon's connection stops reading while its peer has not read what it wrote; closing it must still
+    read the peer's answer to the TLS close alert, or the close would wait for the 10 s abort."""
+    from twisted.internet import reactor
+    from twisted.internet.error import ConnectionDone
+    from waltz.protocols.framing import encode_frame_header
+    listener = _Listener(reactor, tls_of(pki.keys(PREFIX, "server-0")))
+    try:
+        client = await listener.connect(reactor, tls_of(pki.keys(PREFIX, "client-0")))
+        await client.made_ready
+        server = listener.accepted[0]
+        await server.made_ready
+        server.transport.write(encode_frame_header(server.codec.magic, server.version, 0) * 100_000)
+        assert not server.writable and server.reading_paused      # 700 KB: the peer has not read it yet
+        started = reactor.seconds()
+        server.close("done", expected=True)
+        reason = await server.closed_with
+        assert reactor.seconds() - started < 3
+        assert isinstance(reason, ConnectionDone), reason
+        await client.closed_with
+    finally:
+        await defer.maybeDeferred(listener.port.stopListening)

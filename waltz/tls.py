@@ -26,7 +26,8 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from OpenSSL import SSL, crypto
-from twisted.internet import endpoints, interfaces, ssl
+from twisted.internet import defer, endpoints, interfaces, ssl
+from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory, TLSMemoryBIOProtocol
 from zope.interface import implementer
 
@@ -169,8 +170,21 @@ class _TLSProtocol(TLSMemoryBIOProtocol):
       yet, so its only reason to pause is that wait, which ends with the handshake;
     * its ``loseConnection`` waits for the producer to unregister, where TCP closes once its buffer is
       written, so closes that do not go through :meth:`WaltzProtocol.close` (a reconnecting service
-      stopping, a tool hanging up) would never finish. Here the producer is unregistered first.
+      stopping, a tool hanging up) would never finish. Here the producer is unregistered first. And it
+      closes once the peer answered its close alert, which a connection whose reading is paused (its
+      peer reads slowly) would never read: reading resumes for the close.
+
+    The handshake's outcome is told to whoever waits for it (:meth:`when_handshake_done`: a connecting
+    side's endpoint), and a failed handshake is logged with its reason, on both sides: an unknown CA, a
+    host name the certificate does not name, a plain TCP peer.
     """
+
+    log = Logger()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._handshake_reported = False
+        self._handshake_waiters = []
 
     def pauseProducing(self):
         """The protocol stops reading (see the class docstring for the handshake)."""
@@ -181,9 +195,43 @@ class _TLSProtocol(TLSMemoryBIOProtocol):
         self.transport.resumeProducing()
 
     def loseConnection(self):
-        if self._producer is not None and not self.disconnecting:
-            self.unregisterProducer()
+        if not self.disconnecting and self.connected:
+            if self._producer is not None:
+                self.unregisterProducer()
+            self.transport.resumeProducing()     # to read the peer's answer to the close alert
         super().loseConnection()
+
+    def when_handshake_done(self):
+        """A Deferred firing with the application's protocol once the handshake completed, or failing with
+        its reason if the connection closes first; cancelling it aborts the connection."""
+        if self._handshake_reported:
+            return defer.succeed(self.wrappedProtocol) if self._handshakeDone else defer.fail(
+                ConnectionClosedDuringHandshake())
+        d = defer.Deferred(lambda _: self.abortConnection())
+        self._handshake_waiters.append(d)
+        return d
+
+    def dataReceived(self, data):
+        super().dataReceived(data)
+        if self._handshakeDone and not self._handshake_reported:
+            self._report_handshake(None)
+
+    def connectionLost(self, reason):
+        if not self._handshake_reported:
+            self._report_handshake(getattr(self, "_reason", None) or reason)
+        super().connectionLost(reason)
+
+    def _report_handshake(self, failure):
+        self._handshake_reported = True
+        waiters, self._handshake_waiters = self._handshake_waiters, []
+        if failure is not None:
+            self.log.warn("TLS handshake with {peer} failed: {reason}", peer=_address(self.getPeer()),
+                          reason=_reason_text(failure))
+        for d in waiters:
+            if failure is None:
+                d.callback(self.wrappedProtocol)
+            else:
+                d.errback(failure)
 
 
 class _TLSFactory(TLSMemoryBIOFactory):
@@ -201,8 +249,29 @@ class _TLSClientEndpoint:
         self._endpoint = endpoint
 
     def connect(self, factory):
+        """Fires with the application's protocol once the TLS handshake completed (a refused handshake is a
+        failed connection attempt, so a caller's back-off applies)."""
         d = self._endpoint.connect(_TLSFactory(self._options, True, factory))
-        return d.addCallback(lambda tls_protocol: tls_protocol.wrappedProtocol)
+        return d.addCallback(lambda tls_protocol: tls_protocol.when_handshake_done())
+
+
+class ConnectionClosedDuringHandshake(Exception):
+    """The connection closed before its TLS handshake completed."""
+
+
+def _address(address):
+    host, port = getattr(address, "host", None), getattr(address, "port", None)
+    return "%s:%s" % (host, port) if host is not None else str(address)
+
+
+def _reason_text(failure):
+    """One line for a failed handshake: OpenSSL's reasons (e.g. "certificate verify failed"), or the error."""
+    value = failure.value
+    if isinstance(value, SSL.Error) and value.args and isinstance(value.args[0], list):
+        reasons = [item[-1] for item in value.args[0] if isinstance(item, tuple) and item and item[-1]]
+        if reasons:
+            return "; ".join(reasons)
+    return failure.getErrorMessage() or type(value).__name__
 
 
 def load_tls(config, prefix):
@@ -222,10 +291,14 @@ def load_tls(config, prefix):
     certificates = _certificates(_read(paths["certificate"], cert_key), paths["certificate"], cert_key)
     private_key = _private_key(_read(paths["privateKey"], private_key_key), paths["privateKey"], private_key_key)
     roots = _certificates(_read(paths["trustRoots"], roots_key), paths["trustRoots"], roots_key)
-    expiry = certificates[0].not_valid_after_utc
-    if expiry <= datetime.datetime.now(datetime.timezone.utc):
+    now = datetime.datetime.now(datetime.timezone.utc)
+    expiry, start = certificates[0].not_valid_after_utc, certificates[0].not_valid_before_utc
+    if expiry <= now:
         raise ConfigError("config key '%s': the certificate in %s expired on %s" % (
             cert_key, paths["certificate"], expiry.isoformat()), cert_key)
+    if start > now:
+        raise ConfigError("config key '%s': the certificate in %s is not valid before %s (is this machine's clock "
+                          "right?)" % (cert_key, paths["certificate"], start.isoformat()), cert_key)
     context = SSL.Context(SSL.TLS_METHOD)
     try:
         context.use_certificate(certificates[0])

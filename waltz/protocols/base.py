@@ -285,8 +285,11 @@ class WaltzProtocol(Protocol):
             return
         clock = self._clock()
         now = clock.seconds()
-        if self._received or self._read_pauses or (self._pending_inbound and self.waiting_peer_is_silent):
-            # (Paused reading, or a peer waiting for answers still being worked out: the silence is this side's.)
+        if (self._received or (self._read_pauses and self.version is not None)
+                or (self._pending_inbound and self.waiting_peer_is_silent)):
+            # (Paused reading, or a peer waiting for answers still being worked out: the silence is this side's.
+            # Not before the Hello exchange: under TLS the Hello waits for the handshake, pausing reading, and a
+            # peer that never finished its handshake would hold the connection for good.)
             self._last_heard = now
         self._received = False
         if self.idle_timeout is not None and now - self._last_heard >= self.idle_timeout:
