@@ -370,3 +370,32 @@ async def test_a_close_while_reading_is_paused_finishes_at_once_and_cleanly(pki)
         await client.closed_with
     finally:
         await defer.maybeDeferred(listener.port.stopListening)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_connect_cancelled_during_the_handshake_aborts_it_once(pki):
+    """A caller's timeout cancels the connect while the handshake waits (a peer that never answers it)."""
+    from twisted.internet import reactor, task
+    from twisted.internet.protocol import Protocol
+    from twisted.logger import globalLogPublisher
+    errors = []
+
+    def observe(event):
+        if event.get("log_failure") is not None or event.get("isError"):
+            errors.append(event)
+    silent = reactor.listenTCP(0, Factory.forProtocol(Protocol), interface="127.0.0.1")   # accepts, says nothing
+    globalLogPublisher.addObserver(observe)
+    try:
+        outcome = []
+        d = client_endpoint(reactor, "127.0.0.1", silent.getHost().port, 5,
+                            tls_of(pki.keys(PREFIX, "client-0"))).connect(Factory.forProtocol(_ClientPeer))
+        d.addBoth(outcome.append)
+        await task.deferLater(reactor, 0.2, lambda: None)
+        assert outcome == []
+        d.cancel()
+        await task.deferLater(reactor, 0.2, lambda: None)      # the abort's connectionLost: no second answer
+        assert len(outcome) == 1 and outcome[0].check(defer.CancelledError)
+        assert errors == []
+    finally:
+        globalLogPublisher.removeObserver(observe)
+        await defer.maybeDeferred(silent.stopListening)

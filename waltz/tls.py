@@ -228,6 +228,8 @@ class _TLSProtocol(TLSMemoryBIOProtocol):
             self.log.warn("TLS handshake with {peer} failed: {reason}", peer=_address(self.getPeer()),
                           reason=_reason_text(failure))
         for d in waiters:
+            if d.called:
+                continue        # cancelled (the connection is being aborted)
             if failure is None:
                 d.callback(self.wrappedProtocol)
             else:
