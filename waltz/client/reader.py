@@ -397,7 +397,7 @@ class FeedRead:
     def _finish(self):
         fed = self.state in (ReadState.MOUNTING, ReadState.FEEDING)
         self._set_state(ReadState.FINISHING)
-        if fed and self.include_data and (self._records or self._batches or self._in_flight or self._delayed):
+        if fed and (self._unbatched or self._batches or self._in_flight or self._delayed):
             # The mount's catch-up goes on to the partition's high-water mark, past ``end``, for as long as
             # the connection stays: the data is fetched on a new connection that mounts nothing.
             self._open(self._location)

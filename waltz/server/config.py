@@ -14,8 +14,9 @@ The keys and defaults are the original's (``WaltzServerConfig``), except:
 * ``server.maxFrameSize`` is this project's, as for the storage;
 * the retry intervals are milliseconds in the file, as in the original;
 * ``server.ssl.*`` (the client port) and ``storage.ssl.*`` (the connections to storage nodes) take PEM files
-  (``certificate``, ``privateKey``, ``trustRoots``) instead of the original's Java key stores: see
-  :mod:`waltz.tls`.
+  (``certificate``, ``privateKey``, ``trustRoots``) instead of the original's Java key stores, and
+  ``verifyHostname``: see :mod:`waltz.tls`;
+* ``server.idleTimeout`` is this project's: see ``docs/protocol.md``, "Liveness".
 """
 
 from waltz.config import (ZOOKEEPER_KEYS, ConfigError, Key, bind_address, check_distinct_ports, frame_size,
