@@ -399,3 +399,53 @@ async def test_a_connect_cancelled_during_the_handshake_aborts_it_once(pki):
     finally:
         globalLogPublisher.removeObserver(observe)
         await defer.maybeDeferred(silent.stopListening)
+
+
+def _certificate_with_usage(pki, tmp_path, usage):
+    """The keys of a certificate of ``pki``'s CA for 127.0.0.1 whose extended key usage is ``usage``."""
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+    keys = pki.keys(PREFIX, "server-0")
+    with open(keys[PREFIX + "privateKey"], "rb") as stream:
+        key = serialization.load_pem_private_key(stream.read(), password=None)
+    with open(os.path.join(pki.directory, "ca-key.pem"), "rb") as stream:
+        ca_key = serialization.load_pem_private_key(stream.read(), password=None)
+    with open(pki.ca_path, "rb") as stream:
+        ca = x509.load_pem_x509_certificate(stream.read())
+    usages = {"serverAuth": [ExtendedKeyUsageOID.SERVER_AUTH], "clientAuth": [ExtendedKeyUsageOID.CLIENT_AUTH],
+              "both": [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]}[usage]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(
+        x509.oid.NameOID.COMMON_NAME, "server-0")])).issuer_name(ca.subject).public_key(key.public_key())
+        .serial_number(7).not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False).sign(ca_key, hashes.SHA256()))
+    path = tmp_path / ("%s.pem" % usage)
+    path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    keys[PREFIX + "certificate"] = str(path)
+    return keys
+
+
+@pytest.mark.parametrize("usage, role, refused", [
+    ("serverAuth", "connects", True), ("serverAuth", "serves", False),
+    ("clientAuth", "serves", True), ("clientAuth", "connects", False), ("both", "serves", False)])
+def test_a_certificate_whose_extended_key_usage_does_not_allow_its_role_is_refused(pki, tmp_path, usage, role,
+                                                                                    refused):
+    """A server's storage.ssl.* certificate opens connections: a serverAuth-only one (what many CAs issue by
+    default) would fail every handshake with its storage nodes."""
+    config = build_config(_certificate_with_usage(pki, tmp_path, usage), tls_keys(PREFIX))
+    if refused:
+        with pytest.raises(ConfigError) as caught:
+            load_tls(config, PREFIX, role)
+        assert caught.value.key == PREFIX + "certificate" and "extended key usage" in str(caught.value)
+    else:
+        assert load_tls(config, PREFIX, role).subject == "CN=server-0"
+
+
+def test_the_server_checks_each_certificate_for_its_role(pki, tmp_path):
+    server_only = {k.replace(PREFIX, "storage.ssl."): v
+                   for k, v in _certificate_with_usage(pki, tmp_path, "serverAuth").items()}
+    with pytest.raises(ConfigError) as caught:
+        check_server_config(build_config(dict(ZOOKEEPER, **server_only), SERVER_KEYS))
+    assert caught.value.key == "storage.ssl.certificate"
+    serving = {k.replace("storage.ssl.", PREFIX): v for k, v in server_only.items()}
+    assert check_server_config(build_config(dict(ZOOKEEPER, **serving), SERVER_KEYS))

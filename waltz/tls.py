@@ -276,10 +276,33 @@ def _reason_text(failure):
     return failure.getErrorMessage() or type(value).__name__
 
 
-def load_tls(config, prefix):
+#: The roles a certificate plays (``load_tls``'s ``role``): serving a listening port, or opening connections.
+SERVES, CONNECTS = "serves", "connects"
+
+_ROLE_USAGE = {SERVES: (x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, "serverAuth", "serve a port"),
+               CONNECTS: (x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH, "clientAuth", "open connections")}
+
+
+def _check_usage(certificate, role, path, key):
+    """A certificate whose extended key usage does not allow ``role`` would fail every handshake."""
+    if role is None:
+        return
+    try:
+        usage = certificate.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return          # no extended key usage: any use
+    oid, name, what = _ROLE_USAGE[role]
+    if oid not in usage and x509.oid.ExtendedKeyUsageOID.ANY_EXTENDED_KEY_USAGE not in usage:
+        raise ConfigError("config key '%s': the certificate in %s is used to %s, but its extended key usage does "
+                          "not include %s" % (key, path, what, name), key)
+
+
+def load_tls(config, prefix, role=None):
     """The :class:`TLSConfig` under ``prefix`` of a validated ``config`` (keys from :func:`tls_keys`), or None
     when none of its keys is set. :class:`~waltz.config.ConfigError` names the key of anything wrong: a key
-    missing beside the others, an unreadable file, a malformed PEM, a key that is not the certificate's."""
+    missing beside the others, an unreadable file, a malformed PEM, a key that is not the certificate's, a
+    certificate out of its validity, or one whose extended key usage does not allow ``role``
+    (:data:`SERVES` or :data:`CONNECTS`)."""
     paths = {suffix: config.get(prefix + suffix) for suffix in SUFFIXES}
     given = [suffix for suffix in SUFFIXES if paths[suffix] is not None]
     if not given:
@@ -301,6 +324,7 @@ def load_tls(config, prefix):
     if start > now:
         raise ConfigError("config key '%s': the certificate in %s is not valid before %s (is this machine's clock "
                           "right?)" % (cert_key, paths["certificate"], start.isoformat()), cert_key)
+    _check_usage(certificates[0], role, paths["certificate"], cert_key)
     context = SSL.Context(SSL.TLS_METHOD)
     try:
         context.use_certificate(certificates[0])

@@ -23,7 +23,7 @@ from twisted.python.failure import Failure
 from waltz.cli.common import (CliError, connect_string, debugging, milliseconds, non_negative_int,
                               parse_partition_list, partition_count, port, positive_seconds, znode_path)
 from waltz.config import ZOOKEEPER_KEYS, ConfigError, build_config, flatten, read_yaml
-from waltz.tls import load_tls, tls_keys
+from waltz.tls import CONNECTS, load_tls, tls_keys
 from waltz.zk.bridge import ZooKeeperClient
 from waltz.zk.metadata import ClusterMetadata
 from waltz.zk.topology import format_ids
@@ -84,7 +84,7 @@ def connection_config(args):
             raise CliError("no %s given: use --%s or -c FILE with %s" % (key, flag, key))
     # The daemons' and clients' own keys are checked by name only: they check their values themselves.
     config = build_config({k: v for k, v in values.items() if k not in others}, CLI_KEYS)
-    args.tls = load_tls(config, TLS_PREFIX)
+    args.tls = load_tls(config, TLS_PREFIX, CONNECTS)
     return config
 
 

@@ -27,7 +27,7 @@ from waltz.client.monitor import Submission
 from waltz.client.network import Backoff, ManagedConnection, ServerConnections, tcp_connector
 from waltz.client.partition import ClientPartition
 from waltz.client.reader import FeedRead
-from waltz.tls import load_tls
+from waltz.tls import CONNECTS, load_tls
 
 log = Logger()
 
@@ -65,7 +65,7 @@ class WaltzClient:
         self._callbacks = callbacks
         self._discovery = discovery if discovery is not None else ZooKeeperDiscovery(self.config, reactor)
         self._connector = connector if connector is not None else tcp_connector(
-            reactor, self.settings.connect_timeout, load_tls(self.config, TLS_PREFIX))
+            reactor, self.settings.connect_timeout, load_tls(self.config, TLS_PREFIX, CONNECTS))
         self._seq_numbers = itertools.count(0)
         self._servers = {}
         self._partitions = {}

@@ -15,7 +15,7 @@ import attr
 from waltz.config import (
     ZOOKEEPER_KEYS, Config, ConfigError, Key, build_config, idle_timeout_milliseconds, load_config, milliseconds,
     non_negative_int, non_negative_milliseconds, positive_int)
-from waltz.tls import load_tls, tls_keys
+from waltz.tls import CONNECTS, load_tls, tls_keys
 
 #: The ``client.*`` keys (the zookeeper and cluster keys come from :data:`waltz.config.ZOOKEEPER_KEYS`).
 CLIENT_ONLY_KEYS = (
@@ -122,5 +122,5 @@ def client_config(config) -> Config:
 
 def _checked(config):
     """``config``, once its TLS files (if any) were read and found usable: ConfigError names a bad key."""
-    load_tls(config, TLS_PREFIX)
+    load_tls(config, TLS_PREFIX, CONNECTS)
     return config

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from waltz.config import build_config
-from waltz.tls import SUFFIXES, load_tls, tls_keys
+from waltz.tls import CONNECTS, SUFFIXES, load_tls, tls_keys
 
 #: How long the certificates made here are valid.
 VALIDITY = datetime.timedelta(days=365)
@@ -103,9 +103,10 @@ class LocalPKI:
         return dict(zip((prefix + suffix for suffix in SUFFIXES), (cert_path, key_path, self.ca_path)))
 
     def tls(self, name):
-        """The :class:`~waltz.tls.TLSConfig` of the certificate ``name`` (issued now if it is not there yet)."""
+        """The :class:`~waltz.tls.TLSConfig` of the certificate ``name`` (issued now if it is not there yet), to open
+        connections with."""
         prefix = "ssl."
-        return load_tls(build_config(self.keys(prefix, name), tls_keys(prefix)), prefix)
+        return load_tls(build_config(self.keys(prefix, name), tls_keys(prefix)), prefix, CONNECTS)
 
     def server_keys(self, name):
         """A server's TLS keys: ``server.ssl.*`` (its client port) and ``storage.ssl.*`` (its storage

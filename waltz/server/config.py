@@ -22,11 +22,13 @@ The keys and defaults are the original's (``WaltzServerConfig``), except:
 from waltz.config import (ZOOKEEPER_KEYS, ConfigError, Key, bind_address, check_distinct_ports, frame_size,
                           idle_timeout_milliseconds, load_config, milliseconds, non_negative_int, port, positive_int)
 from waltz.server.caches import HEADER_BYTES, FeedCache
-from waltz.tls import load_tls, tls_keys
+from waltz.tls import CONNECTS, SERVES, load_tls, tls_keys
 
 #: The prefixes of the server's TLS keys: its client port, and its connections to storage nodes.
 CLIENT_PORT_TLS_PREFIX = "server.ssl."
 STORAGE_TLS_PREFIX = "storage.ssl."
+#: The role of each prefix's certificate.
+TLS_ROLES = {CLIENT_PORT_TLS_PREFIX: SERVES, STORAGE_TLS_PREFIX: CONNECTS}
 
 MIB = 1024 * 1024
 #: The feed cache must hold at least one block of headers.
@@ -124,8 +126,8 @@ def check_server_config(config):
                           "'storage.maxRetryInterval' (%d ms)"
                           % (config["storage.initialRetryInterval"], config["storage.maxRetryInterval"]),
                           "storage.initialRetryInterval")
-    for prefix in (CLIENT_PORT_TLS_PREFIX, STORAGE_TLS_PREFIX):
-        load_tls(config, prefix)       # (read again by the service: here it fails before anything starts)
+    for prefix, role in TLS_ROLES.items():
+        load_tls(config, prefix, role)     # (read again by the service: here it fails before anything starts)
     return config
 
 

@@ -36,7 +36,7 @@ from waltz.daemon import AsyncStartService
 from waltz.http import health_site
 from waltz.metrics import Registry
 from waltz.server.caches import FeedCache, TransactionDataCache
-from waltz.server.config import CLIENT_PORT_TLS_PREFIX, STORAGE_TLS_PREFIX, partition_settings
+from waltz.server.config import CLIENT_PORT_TLS_PREFIX, STORAGE_TLS_PREFIX, TLS_ROLES, partition_settings
 from waltz.server.membership import InvalidPartitions, MembershipState, ServerMembership, check_partitions
 from waltz.server.partition import PartitionMetrics, ServerPartition
 from waltz.server.protocol import ServerFactory
@@ -354,8 +354,8 @@ class WaltzServerService(AsyncStartService):
         self.ports = []
         # TLS of the client port and of the connections to storage nodes (None: plain TCP); a bad file
         # fails here, before anything starts.
-        self.client_port_tls = load_tls(config, CLIENT_PORT_TLS_PREFIX)
-        self.storage_tls = load_tls(config, STORAGE_TLS_PREFIX)
+        self.client_port_tls = load_tls(config, CLIENT_PORT_TLS_PREFIX, TLS_ROLES[CLIENT_PORT_TLS_PREFIX])
+        self.storage_tls = load_tls(config, STORAGE_TLS_PREFIX, TLS_ROLES[STORAGE_TLS_PREFIX])
         self.liveness = liveness_of(config, "server.idleTimeout", reactor)     # of every connection
 
     @property

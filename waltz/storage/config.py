@@ -7,7 +7,7 @@ storage and admin ports (:mod:`waltz.tls`); the HTTP port stays plain.
 from waltz.config import (
     ZOOKEEPER_KEYS, Key, bind_address, check_distinct_ports, directory, frame_size, idle_timeout_milliseconds,
     load_config, port, positive_int)
-from waltz.tls import load_tls, tls_keys
+from waltz.tls import SERVES, load_tls, tls_keys
 
 #: The prefix of the storage's TLS keys (its storage and admin ports).
 TLS_PREFIX = "storage.ssl."
@@ -33,5 +33,5 @@ def load_storage_config(path):
     """Read and validate a storage config file; :class:`ConfigError` names a bad key."""
     config = load_config(path, STORAGE_KEYS)
     check_distinct_ports(config, PORT_KEYS)
-    load_tls(config, TLS_PREFIX)       # (read again by the service: here it fails before anything starts)
+    load_tls(config, TLS_PREFIX, SERVES)   # (read again by the service: here it fails before anything starts)
     return config

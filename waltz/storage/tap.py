@@ -18,7 +18,7 @@ from waltz.http import health_site
 from waltz.storage.config import TLS_PREFIX, load_storage_config
 from waltz.storage.handlers import AdminServerProtocol, NodeFactory, StorageServerProtocol
 from waltz.storage.node import StorageNode
-from waltz.tls import load_tls, server_factory
+from waltz.tls import SERVES, load_tls, server_factory
 from waltz.zk.bridge import ZooKeeperClient
 from waltz.zk.metadata import ClusterMetadata
 
@@ -47,7 +47,7 @@ class StorageService(AsyncStartService):
     def __init__(self, config, reactor):
         super().__init__(reactor)
         self.config = config
-        self.tls = load_tls(config, TLS_PREFIX)     # None: plain TCP
+        self.tls = load_tls(config, TLS_PREFIX, SERVES)     # None: plain TCP
         self.node = StorageNode(config["storage.directory"], reactor,
                                 segment_size_threshold=config["storage.segment.size.threshold"],
                                 segment_cache_capacity=config["storage.segment.cache.capacity"])
