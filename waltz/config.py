@@ -80,49 +80,38 @@ def expiration_ms(timeout):
     return max(1, min(MAX_MILLISECONDS, round(timeout * 1000)))
 
 
-def milliseconds(value):
-    """A duration in milliseconds, 1 to :data:`MAX_MILLISECONDS`."""
-    number = _parse_int(value)
-    if not 1 <= number <= MAX_MILLISECONDS:
-        raise ValueError("expected milliseconds from 1 to %d (a day), got %d" % (MAX_MILLISECONDS, number))
-    return number
+def _milliseconds_from(minimum, why=""):
+    """A parser of durations in milliseconds, ``minimum`` (``why`` says why, in the error) to
+    :data:`MAX_MILLISECONDS`."""
+    def parse(value):
+        number = _parse_int(value)
+        if not minimum <= number <= MAX_MILLISECONDS:
+            raise ValueError("expected milliseconds from %d%s to %d (a day), got %d"
+                             % (minimum, why, MAX_MILLISECONDS, number))
+        return number
+    return parse
 
+
+#: A duration in milliseconds, 1 to :data:`MAX_MILLISECONDS`.
+milliseconds = _milliseconds_from(1)
+
+#: A duration in milliseconds, 0 to :data:`MAX_MILLISECONDS`.
+non_negative_milliseconds = _milliseconds_from(0)
 
 #: The shortest ZooKeeper session timeout accepted (ms). ZooKeeper itself negotiates at least twice its tick
 #: (4 s by default); far less is a value meant in seconds, and would make a server give its partitions up
 #: at every probe and every request time out.
 MIN_SESSION_TIMEOUT_MS = 1000
 
-
-def session_timeout_milliseconds(value):
-    """A ZooKeeper session timeout in milliseconds, :data:`MIN_SESSION_TIMEOUT_MS` to :data:`MAX_MILLISECONDS`."""
-    number = _parse_int(value)
-    if not MIN_SESSION_TIMEOUT_MS <= number <= MAX_MILLISECONDS:
-        raise ValueError("expected milliseconds from %d to %d (a day), got %d"
-                         % (MIN_SESSION_TIMEOUT_MS, MAX_MILLISECONDS, number))
-    return number
-
-
-def non_negative_milliseconds(value):
-    """A duration in milliseconds, 0 to :data:`MAX_MILLISECONDS`."""
-    number = _parse_int(value)
-    if not 0 <= number <= MAX_MILLISECONDS:
-        raise ValueError("expected milliseconds from 0 to %d (a day), got %d" % (MAX_MILLISECONDS, number))
-    return number
-
+#: A ZooKeeper session timeout in milliseconds, :data:`MIN_SESSION_TIMEOUT_MS` to :data:`MAX_MILLISECONDS`.
+session_timeout_milliseconds = _milliseconds_from(MIN_SESSION_TIMEOUT_MS)
 
 #: The shortest idle timeout accepted (ms): three keep-alive intervals (``waltz.protocols.base``), so that a
 #: peer that writes nothing keeps the connection with its keep-alives even when one of them is late.
 MIN_IDLE_TIMEOUT_MS = 15000
 
-
-def idle_timeout_milliseconds(value):
-    """A connection's idle timeout in milliseconds, :data:`MIN_IDLE_TIMEOUT_MS` to :data:`MAX_MILLISECONDS`."""
-    number = _parse_int(value)
-    if not MIN_IDLE_TIMEOUT_MS <= number <= MAX_MILLISECONDS:
-        raise ValueError("expected milliseconds from %d (three 5 s keep-alive intervals) to %d (a day), got %d"
-                         % (MIN_IDLE_TIMEOUT_MS, MAX_MILLISECONDS, number))
-    return number
+#: A connection's idle timeout in milliseconds, :data:`MIN_IDLE_TIMEOUT_MS` to :data:`MAX_MILLISECONDS`.
+idle_timeout_milliseconds = _milliseconds_from(MIN_IDLE_TIMEOUT_MS, " (three 5 s keep-alive intervals)")
 
 
 def liveness_of(config, key, reactor):
