@@ -127,6 +127,14 @@ async def test_a_client_without_a_certificate_of_the_cluster_gets_nothing(tls_cl
 async def test_a_server_without_tls_to_the_storages_has_no_healthy_partition(tls_cluster, start_server, pki):
     keys = {k: v for k, v in pki.server_keys("server-0").items() if k.startswith("server.ssl.")}
     server = await start_server(tls_cluster, **keys)
-    await task.deferLater(reactor, 5, lambda: None)     # (with TLS it is healthy within about a second)
+    storage = tls_cluster.storages[0]
+
+    def refused_by_the_storage():
+        with open(storage.log_path, encoding="utf-8") as log:
+            return any("TLS handshake with 127.0.0.1:" in line and "failed" in line for line in log)
+    deadline = reactor.seconds() + 30
+    while not await threads.deferToThread(refused_by_the_storage):     # the server's plain connections are refused
+        assert reactor.seconds() < deadline, "the storage logged no refused handshake"
+        await task.deferLater(reactor, 0.2, lambda: None)
     body = await health_becomes(server, healthy=False)
     assert "partition 0 (generation 1): the store is not writing" in body
