@@ -5,7 +5,8 @@
 # the checks that nothing was lost, duplicated or overdrawn), the Spark ledger job that rebuilds every balance
 # from the log and compares it with an instance's database, and the cluster's state (`waltz dev status`).
 # Everything lives under ./.waltz-dev (or $WALTZ_RUN_DIR); stop it with `.venv/bin/waltz dev down`.
-# Extra arguments go to `waltz demo` (e.g. --duration 30; see docs/demo.md).
+# Extra arguments go to `waltz demo` (e.g. --duration 30; see docs/demo.md). WALTZ_TLS=1 makes a new cluster
+# speak mutual TLS on every port (`waltz dev up --tls`; a run directory made so keeps it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh --spark
@@ -14,7 +15,9 @@ ZK_PORT="${WALTZ_ZK_PORT:-42181}"
 waltz=.venv/bin/waltz
 dev=(--run-dir "$RUN_DIR" --zookeeper-port "$ZK_PORT")
 
-$waltz dev up "${dev[@]}"
+tls=()
+if [ "${WALTZ_TLS:-0}" = 1 ]; then tls=(--tls); fi
+$waltz dev up "${dev[@]}" "${tls[@]}"
 echo
 $waltz demo "${dev[@]}" "$@"
 echo
@@ -22,7 +25,7 @@ echo
 # the last run's first instance (docs/spark.md, "The ledger job").
 last_run="$(ls -d "$RUN_DIR"/demo/run-* | sort -V | tail -1)"
 echo "demo: the Spark ledger job rebuilds every balance from the log and compares with $last_run/instance-0/bank.db"
-.venv/bin/python -m waltz.spark.jobs.ledger --zookeeper "127.0.0.1:$ZK_PORT" --cluster-root /waltz_cluster \
+.venv/bin/python -m waltz.spark.jobs.ledger --client-config "$RUN_DIR/client.yaml" \
   --headers 101,102,103 --compare-sqlite "$last_run/instance-0/bank.db" 2> "$RUN_DIR/ledger-job.log" \
   || { echo "demo: the ledger job failed; its log: $RUN_DIR/ledger-job.log"; exit 1; }
 echo

@@ -79,6 +79,48 @@ def test_up_status_up_again_and_down(dev):
     assert pids_of(run_dir) == []
 
 
+@pytest.mark.timeout(240)
+def test_up_with_tls_makes_every_port_speak_mutual_tls_and_writes_the_files_to_connect_with(dev):
+    first = waltz("dev", "up", *dev, "--tls", timeout=180)
+    assert first.returncode == 0, first.stderr
+    assert "cluster is up" in first.stdout and "mutual TLS" in first.stdout, first.stdout
+    run_dir = dev[1]
+    tools, client = os.path.join(run_dir, "tools.yaml"), os.path.join(run_dir, "client.yaml")
+    with open(tools, encoding="utf-8") as stream:
+        assert "ssl.certificate:" in stream.read()
+    with open(client, encoding="utf-8") as stream:
+        assert "client.ssl.trustRoots:" in stream.read()
+
+    # The tools connect with the run directory's tools.yaml: servers, and storage nodes' admin ports.
+    servers = waltz("server", "list", "-c", tools, timeout=60)
+    assert servers.returncode == 0 and "2 live server(s)" in servers.stdout, servers.stdout + servers.stderr
+    storages = waltz("storage", "list", "-c", tools, timeout=60)
+    assert storages.returncode == 0 and storages.stdout.count("reachable; assigned partitions: 0 online") == 3, \
+        storages.stdout + storages.stderr
+    # dev status asks the admin ports over TLS too (a plain request gets no answer: "?").
+    status = waltz("dev", "status", *dev, timeout=120)
+    assert status.returncode == 0, status.stderr
+    assert len(re.findall(r"^  127\.0\.0\.1:\d+  0: -1, 1: -1, 2: -1, 3: -1$", status.stdout, re.M)) == 3, status.stdout
+    # Without the certificates, a tool gets no answer from an admin port.
+    connection = ["--zookeeper", "127.0.0.1:%s" % dev[3], "--root", "/waltz_cluster"]
+    plain = waltz("storage", "list", *connection, "--timeout", "3", timeout=60)
+    assert "reachable; assigned" not in plain.stdout, plain.stdout
+
+    # The run directory keeps TLS: a later up without --tls neither restarts nor changes anything.
+    again = waltz("dev", "up", *dev, timeout=120)
+    assert again.returncode == 0 and "started" not in again.stdout and "mutual TLS" in again.stdout, again.stdout
+
+
+def test_up_with_tls_refuses_a_run_directory_whose_daemons_were_made_without_it(dev, tmp_path):
+    run_dir = dev[1]
+    os.makedirs(os.path.join(run_dir, "storage-0"))
+    with open(os.path.join(run_dir, "storage-0", "storage.yaml"), "w", encoding="utf-8") as stream:
+        stream.write("storage.port: 40001\nstorage.admin.port: 40002\nstorage.http.port: 40003\n")
+    line = refused("dev", "up", *dev, "--tls", code=1)
+    assert "storage-0 in %s was made without TLS" % run_dir in line
+    assert not os.path.exists(os.path.join(run_dir, "zookeeper")), "nothing started"
+
+
 def test_status_without_a_cluster_says_so(dev):
     result = waltz("dev", "status", *dev)
     assert result.returncode == 3

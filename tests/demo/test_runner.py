@@ -1,5 +1,7 @@
 """The demo runner's waits: a timeout says what did not happen, and the first failure comes out unwrapped."""
 
+import os
+
 import pytest
 from twisted.internet import defer, task
 
@@ -165,3 +167,20 @@ def test_a_plan_stopped_while_it_kills_a_daemon_starts_it_again(monkeypatch):
     assert held.calls == ["kill", "start"] and restored == []
     held.finish("start")
     assert restored == [None] and plan.down == [] and clock.getDelayedCalls() == []
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_run_gives_its_instances_the_clusters_client_config_with_its_tls_keys(tmp_path, tls):
+    import yaml
+    from waltz.client.config import client_config
+    from waltz.demo.runner import prepare_run
+    from waltz.local.devcluster import DevCluster
+    cluster = DevCluster(str(tmp_path / "dev"), zookeeper_port=42999, tls=tls)
+    cluster.prepare_files()
+    path, number = prepare_run(cluster, 2)
+    assert number == 1 and sorted(os.listdir(path)) == ["client.yaml", "instance-0", "instance-1"]
+    with open(os.path.join(path, "client.yaml"), encoding="utf-8") as stream:
+        config = yaml.safe_load(stream)
+    assert config["zookeeper.connectString"] == "127.0.0.1:42999" and config["cluster.root"] == cluster.root
+    assert ("client.ssl.certificate" in config) is tls
+    client_config(config)   # a valid client config, its TLS files included

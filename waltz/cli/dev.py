@@ -13,24 +13,30 @@ from waltz.cli.common import CliError, partition_count, port, znode_path
 from waltz.cli.cluster import quiet_kazoo, run_reactor
 from waltz.cli.storage import StorageNodeClient
 from waltz.local.daemons import DaemonError
-from waltz.local.devcluster import DEFAULT_ROOT, DEFAULT_RUN_DIR, DEFAULT_ZOOKEEPER_PORT, DevCluster
+from waltz.local.devcluster import DEFAULT_ROOT, DEFAULT_RUN_DIR, DEFAULT_ZOOKEEPER_PORT, DevCluster, DevClusterError
 from waltz.local.zookeeper import ZooKeeperLaunchError
 from waltz.zk.bridge import ZooKeeperClient
 from waltz.zk.metadata import ClusterMetadata
 
 def _cluster(args):
     quiet_kazoo()
-    return DevCluster(args.run_dir, args.zookeeper_port, args.root, num_partitions=args.partitions)
+    return DevCluster(args.run_dir, args.zookeeper_port, args.root, num_partitions=args.partitions,
+                      tls=getattr(args, "tls", False))
 
 
 def up(args):
     cluster = _cluster(args)
     try:
         run_reactor(lambda reactor: cluster.up(reactor))
+    except DevClusterError as exc:
+        raise CliError(str(exc)) from None
     except (DaemonError, ZooKeeperLaunchError) as exc:
         raise CliError("the local cluster did not start: %s (run 'waltz dev down --run-dir %s' to clean up)"
                        % (str(exc).splitlines()[0], args.run_dir)) from None
-    print("cluster is up: ZooKeeper %s, root %s" % (cluster.connect_string, cluster.root))
+    print("cluster is up: ZooKeeper %s, root %s%s" % (cluster.connect_string, cluster.root,
+                                                      ", mutual TLS" if cluster.tls is not None else ""))
+    print("commands: waltz ... -c %s; applications: client config %s"
+          % (cluster.tools_config_path, cluster.client_config_path))
     return 0
 
 
@@ -45,6 +51,10 @@ def status(args):
     if not cluster.zookeeper.is_running():
         print("ZooKeeper is not running: no cluster to show")
         return 3
+    try:
+        cluster.load_tls()      # (before the reactor runs: a few small files)
+    except DevClusterError as exc:
+        raise CliError(str(exc)) from None
     print(run_reactor(lambda reactor: cluster_status(reactor, cluster)))
     return 0
 
@@ -95,7 +105,7 @@ def cluster_status(reactor, cluster):
                         generation if generation is not None else "-", high_water_marks.get(pid, "?")))
     lines.append("replicas (max transaction id):")
     for storage, admin_port in sorted(topology.connections.entries):
-        client = StorageNodeClient(reactor, storage, admin_port, params, timeout=3)
+        client = StorageNodeClient(reactor, storage, admin_port, params, timeout=3, tls=cluster.tls)
         ids, silent = [], None
         for pid in topology.assignments.get(storage, ()):
             if silent is not None:
@@ -138,4 +148,9 @@ def register(subparsers):
                          help="cluster root znode (default %(default)s)")
         sub.add_argument("--partitions", type=partition_count, default=4,
                          help="partitions of a new cluster (default 4)")
+        if func is up:
+            sub.add_argument("--tls", action="store_true",
+                             help="a new cluster speaks mutual TLS on every storage, admin and client port, with "
+                                  "certificates of the run directory's own CA (a run directory made with TLS "
+                                  "keeps it)")
         sub.set_defaults(func=func)

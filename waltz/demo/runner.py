@@ -15,6 +15,7 @@ still rebuilds its database from the whole log, earlier runs included.
 import collections
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -313,8 +314,8 @@ class Progress:
 
 
 def prepare_run(cluster, instances):
-    """Create ``<run dir>/demo/run-N`` for the next N, its client config and one directory per
-    instance (blocking: run it in a thread); returns ``(path, N)``."""
+    """Create ``<run dir>/demo/run-N`` for the next N, its client config (the cluster's, with its TLS keys if
+    it has any) and one directory per instance (blocking: run it in a thread); returns ``(path, N)``."""
     demo_dir = os.path.join(cluster.run_dir, "demo")
     os.makedirs(demo_dir, exist_ok=True)
     taken = [int(name[4:]) for name in os.listdir(demo_dir) if name.startswith("run-") and name[4:].isdigit()]
@@ -322,8 +323,7 @@ def prepare_run(cluster, instances):
     path = os.path.join(demo_dir, "run-%d" % number)
     for index in range(instances):
         os.makedirs(os.path.join(path, "instance-%d" % index))
-    with open(os.path.join(path, "client.yaml"), "w", encoding="utf-8") as stream:
-        stream.write("zookeeper.connectString: %s\ncluster.root: %s\n" % (cluster.connect_string, cluster.root))
+    shutil.copyfile(cluster.client_config_path, os.path.join(path, "client.yaml"))
     return path, number
 
 

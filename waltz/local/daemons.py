@@ -73,8 +73,7 @@ class LocalDaemon:
 
     def write_config(self):
         os.makedirs(self.run_dir, exist_ok=True)
-        with open(self.config_path, "w", encoding="utf-8") as stream:
-            yaml.safe_dump(self.config, stream, default_flow_style=False, sort_keys=True)
+        write_config(self.config_path, self.config)
 
     def command(self):
         twistd = os.path.join(os.path.dirname(sys.executable), "twistd")
@@ -172,6 +171,12 @@ class LocalDaemon:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
         return self.process.wait()
+
+
+def write_config(path, config):
+    """Write ``config`` (flat keys) to ``path`` as YAML, keys sorted."""
+    with open(path, "w", encoding="utf-8") as stream:
+        yaml.safe_dump(config, stream, default_flow_style=False, sort_keys=True)
 
 
 def storage_config(run_dir, zookeeper, root, host="127.0.0.1", **overrides):

@@ -5,6 +5,9 @@ Layout of the run directory (default ``./.waltz-dev``)::
     zookeeper/            LocalZooKeeper (config, data, log, pid)
     storage-0/ ...        one storage daemon each: storage.yaml, storage.log, storage.pid, data/
     server-0/ ...         one server daemon each: server.yaml, server.log, server.pid
+    tools.yaml            the ``-c`` file of the ``waltz`` commands (ZooKeeper keys, and ``ssl.*`` with TLS)
+    client.yaml           an application's client config (ZooKeeper keys, and ``client.ssl.*`` with TLS)
+    pki/                  with TLS only: the cluster's CA and every process's certificate (LocalPKI)
 
 :meth:`DevCluster.up` is idempotent: it starts whatever is not running,
 creates the cluster in ZooKeeper the first time, registers each new storage
@@ -12,6 +15,10 @@ in its own group with every partition, and pushes that assignment to it.
 :meth:`DevCluster.down` stops only the processes recorded in the run
 directory, by pid. Ports are chosen once (free loopback ports) and kept in
 each daemon's config file, so a cluster comes back on the same ports.
+
+With TLS (``waltz dev up --tls`` the first time; the run directory keeps it), every storage, admin and client
+port speaks mutual TLS with certificates of the run directory's own CA, and the two files above carry the
+keys a command or an application needs to connect.
 """
 
 import os
@@ -20,7 +27,8 @@ import re
 from twisted.internet import defer, threads
 
 from waltz.local.cluster import push_assignment
-from waltz.local.daemons import LocalDaemon, local_server, local_storage
+from waltz.local.daemons import LocalDaemon, local_server, local_storage, write_config
+from waltz.local.pki import LocalPKI
 from waltz.local.zookeeper import LocalZooKeeper
 from waltz.zk.bridge import ZooKeeperClient
 from waltz.zk.errors import ClusterNotFoundError
@@ -35,6 +43,14 @@ DEFAULT_ROOT = "/waltz_cluster"
 SERVER_OVERRIDES = {"zookeeper.sessionTimeout": 6000}
 
 _HTTP_PORT_KEYS = {"storage": "storage.http.port", "server": "server.http.port"}
+#: The key whose presence in a daemon's recorded config says it was made with TLS.
+_TLS_KEYS = {"storage": "storage.ssl.certificate", "server": "server.ssl.certificate"}
+#: The certificate the ``waltz`` commands (and ``dev up`` itself) present, and the applications'.
+TOOLS_CERTIFICATE, CLIENT_CERTIFICATE = "tools", "client"
+
+
+class DevClusterError(Exception):
+    """The run directory cannot give what was asked (e.g. TLS for daemons made without it)."""
 _HWM_LINE = re.compile(r'^waltz_server_partition_high_water_mark\{partition="(\d+)"\} (-?\d+)', re.M)
 
 
@@ -50,9 +66,15 @@ class DevCluster:
     """A local cluster whose processes outlive the command that started them."""
 
     def __init__(self, run_dir=DEFAULT_RUN_DIR, zookeeper_port=DEFAULT_ZOOKEEPER_PORT, root=DEFAULT_ROOT,
-                 num_partitions=4, num_storages=3, num_servers=2, name="dev"):
-        """``zookeeper_port`` None: the port of the run directory's ZooKeeper, else the default one."""
+                 num_partitions=4, num_storages=3, num_servers=2, name="dev", tls=False):
+        """``zookeeper_port`` None: the port of the run directory's ZooKeeper, else the default one. ``tls``: make
+        a new cluster's daemons speak mutual TLS (a run directory made with TLS keeps it without asking)."""
         self.run_dir = os.path.abspath(run_dir)
+        self.pki_dir = os.path.join(self.run_dir, "pki")
+        self._tls_asked = tls
+        #: The :class:`~waltz.tls.TLSConfig` of this cluster's own connections to admin ports (None: plain TCP);
+        #: set by :meth:`prepare_files`.
+        self.tls = None
         self.root = root
         self.name = name
         self.num_partitions = num_partitions
@@ -69,6 +91,56 @@ class DevCluster:
     @property
     def connect_string(self):
         return self.zookeeper.connect_string
+
+    @property
+    def tools_config_path(self):
+        """The ``-c`` file of the ``waltz`` commands for this cluster."""
+        return os.path.join(self.run_dir, "tools.yaml")
+
+    @property
+    def client_config_path(self):
+        """An application's client config for this cluster."""
+        return os.path.join(self.run_dir, "client.yaml")
+
+    def uses_tls(self) -> bool:
+        """Whether the cluster speaks TLS: asked for, or made so earlier (blocking: looks at the run directory)."""
+        return self._tls_asked or os.path.exists(os.path.join(self.pki_dir, "ca.pem"))
+
+    def prepare_files(self):
+        """Make the run directory's PKI (with TLS), set :attr:`tls`, and write :attr:`tools_config_path` and
+        :attr:`client_config_path` (blocking: run it in a thread). :class:`DevClusterError` when TLS is asked
+        of a run directory whose daemons were made without it."""
+        zookeeper = {"zookeeper.connectString": self.connect_string, "cluster.root": self.root}
+        tools, client = dict(zookeeper), dict(zookeeper)
+        if self.load_tls() is not None:
+            pki = LocalPKI(self.pki_dir)
+            tools.update(pki.keys("ssl.", TOOLS_CERTIFICATE))
+            client.update(pki.keys("client.ssl.", CLIENT_CERTIFICATE))
+        os.makedirs(self.run_dir, exist_ok=True)
+        write_config(self.tools_config_path, tools)
+        write_config(self.client_config_path, client)
+
+    def load_tls(self):
+        """Set and return :attr:`tls` (None for a plain cluster), making the run directory's CA the first time
+        (blocking). :class:`DevClusterError` when TLS is asked of a run directory whose daemons were made
+        without it."""
+        if not self.uses_tls():
+            self.tls = None
+            return None
+        plain = [name for name, daemon in self.daemons() if _TLS_KEYS[daemon.kind] not in daemon.config]
+        if plain:
+            raise DevClusterError("%s in %s %s made without TLS: stop the cluster ('waltz dev down') and use "
+                                  "another --run-dir for a TLS cluster" % (
+                                      ", ".join(plain), self.run_dir, "was" if len(plain) == 1 else "were"))
+        self.tls = LocalPKI(self.pki_dir).tls(TOOLS_CERTIFICATE)
+        return self.tls
+
+    def _tls_keys(self, kind, index):
+        """The TLS keys of daemon ``kind``-``index``'s config, or none (blocking)."""
+        if self.tls is None:
+            return {}
+        pki, name = LocalPKI(self.pki_dir), "%s-%d" % (kind, index)
+        return pki.keys("storage.ssl.", name) if kind == "storage" else pki.server_keys(name)
 
     def daemon_dir(self, kind, index):
         return os.path.join(self.run_dir, "%s-%d" % (kind, index))
@@ -111,7 +183,11 @@ class DevCluster:
 
         What touches files or processes (configs, pid files, ``/proc``, starts) runs in threads, off the
         reactor."""
+        yield threads.deferToThread(self.prepare_files)
         report((yield threads.deferToThread(self._start_zookeeper)))
+        if self.tls is not None:
+            report("tls         every storage, admin and client port speaks mutual TLS (CA %s)"
+                   % os.path.join(self.pki_dir, "ca.pem"))
         zk = ZooKeeperClient(self.connect_string, reactor=reactor)
         try:
             yield zk.connect()
@@ -122,8 +198,9 @@ class DevCluster:
         finally:
             yield zk.close()
         for index in range(self.num_servers):
-            yield self._ensure_daemon("server", index, lambda run_dir: local_server(
-                run_dir, self.connect_string, self.root, **SERVER_OVERRIDES), report)
+            yield self._ensure_daemon("server", index, lambda run_dir, index=index: local_server(
+                run_dir, self.connect_string, self.root, **SERVER_OVERRIDES, **self._tls_keys("server", index)),
+                report)
 
     def _start_zookeeper(self):
         """Start ZooKeeper unless it runs; returns the line saying which (blocking)."""
@@ -153,7 +230,7 @@ class DevCluster:
         them: decided from ZooKeeper, not from whether the node was started before (a ``dev up`` that
         failed between starting it and registering it left it unregistered for good)."""
         daemon, _ = yield self._ensure_daemon("storage", index, lambda run_dir: local_storage(
-            run_dir, self.connect_string, self.root), report)
+            run_dir, self.connect_string, self.root, **self._tls_keys("storage", index)), report)
         name = "127.0.0.1:%d" % daemon.config["storage.port"]
         admin_port = daemon.config["storage.admin.port"]
         partitions = list(range(params.num_partitions))
@@ -161,7 +238,7 @@ class DevCluster:
         if name not in topology.storages() or set(topology.partitions_of(name)) != set(partitions):
             yield metadata.edit_topology(lambda t, p: _holding_every_partition(t, name, admin_port, index, partitions,
                                                                                p.num_partitions))
-        yield push_assignment(reactor, name, admin_port, partitions, params)
+        yield push_assignment(reactor, name, admin_port, partitions, params, self.tls)
 
     @defer.inlineCallbacks
     def _ensure_daemon(self, kind, index, make, report):

@@ -16,6 +16,9 @@ ledger entry is an error (exit 2). Run it as::
     python -m waltz.spark.jobs.ledger --zookeeper 127.0.0.1:2181 --cluster-root /waltz_cluster \\
         [--master local[*]] [--compare-sqlite bank.db] [--headers 101,102,103]
 
+or with ``--client-config FILE`` (an application's client config: its ZooKeeper keys, and for a cluster that
+speaks TLS its ``client.ssl.*`` keys, e.g. ``.waltz-dev/client.yaml``) in place of the first two,
+
 or ``spark-submit waltz/spark/jobs/ledger.py ...`` (``--master`` then defaults to what spark-submit gives).
 """
 
@@ -98,8 +101,11 @@ def mismatches(ledger, database):
 
 def argument_parser():
     parser = argparse.ArgumentParser(prog="python -m waltz.spark.jobs.ledger", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--zookeeper", required=True, help="ZooKeeper connect string, e.g. 127.0.0.1:2181")
-    parser.add_argument("--cluster-root", required=True, help="the cluster's root znode, e.g. /waltz_cluster")
+    parser.add_argument("--zookeeper", help="ZooKeeper connect string, e.g. 127.0.0.1:2181 (or from --client-config)")
+    parser.add_argument("--cluster-root", help="the cluster's root znode, e.g. /waltz_cluster (or from --client-config)")
+    parser.add_argument("--client-config", metavar="FILE",
+                        help="YAML file of client keys passed to the reader (docs/spark.md, 'Options'): "
+                             "zookeeper.connectString, cluster.root, client.ssl.* for a cluster that speaks TLS, ...")
     parser.add_argument("--master", default=None, help="Spark master (default local[*], or spark-submit's)")
     parser.add_argument("--compare-sqlite", metavar="PATH", help="compare with the accounts table of this file")
     parser.add_argument("--headers", metavar="LIST", help="read only transactions with these headers (e.g. "
@@ -141,7 +147,9 @@ def _verdict(spark, args, out):
     if args.compare_sqlite and not os.path.isfile(args.compare_sqlite):
         print("ledger: no such database file: %s" % args.compare_sqlite, file=out)
         return 2
-    options = {"headers": args.headers} if args.headers is not None else {}   # "" is refused, not "all"
+    options = dict(getattr(args, "options", {}))     # (pyspark turns bools and numbers into option strings)
+    if args.headers is not None:
+        options["headers"] = args.headers       # "" is refused, not "all"
     entries = decode_entries(read_log(spark, args.zookeeper, args.cluster_root, **options)).cache()
     try:
         check_entries(entries)
@@ -165,8 +173,32 @@ def _verdict(spark, args, out):
     return 1 if wrong else 0
 
 
+def parse_arguments(argv=None):
+    """The job's arguments; ``args.options`` holds the reader options of ``--client-config`` (the ZooKeeper keys
+    taken out into ``args.zookeeper`` and ``args.cluster_root`` unless given as flags). A missing connection or
+    an unreadable file is a usage error (exit 2, one line)."""
+    parser = argument_parser()
+    args = parser.parse_args(argv)
+    args.options = {}
+    if args.client_config:
+        from waltz.config import ConfigError, flatten, read_yaml
+        try:
+            args.options = flatten(read_yaml(args.client_config))
+        except ConfigError as exc:
+            parser.error(str(exc))
+        zookeeper = args.options.pop("zookeeper.connectString", None)
+        root = args.options.pop("cluster.root", None)
+        args.zookeeper = args.zookeeper or zookeeper
+        args.cluster_root = args.cluster_root or root
+    for flag, key, value in (("--zookeeper", "zookeeper.connectString", args.zookeeper),
+                             ("--cluster-root", "cluster.root", args.cluster_root)):
+        if not value:
+            parser.error("no %s given: use %s, or --client-config with %s" % (key, flag, key))
+    return args
+
+
 def main(argv=None):
-    args = argument_parser().parse_args(argv)
+    args = parse_arguments(argv)
     from waltz.spark.session import build_session
     master = args.master or (None if launched_by_spark_submit() else "local[*]")
     spark = build_session(master, "waltz-ledger")
