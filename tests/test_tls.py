@@ -103,10 +103,8 @@ def test_a_private_key_of_another_certificate_is_refused(pki):
     assert "is not the key of the certificate" in str(caught.value)
 
 
-@pytest.mark.parametrize("valid_from_days, valid_to_days, problem", [
-    (-30, -1, "expired on"), (2, 30, "is not valid before")])
-def test_a_certificate_outside_its_validity_is_refused(pki, tmp_path, valid_from_days, valid_to_days, problem):
-    keys = pki.keys(PREFIX, "server-0")
+def self_signed_outside_validity(keys, tmp_path, valid_from_days, valid_to_days):
+    """A certificate of the key in ``keys`` valid only from/to those days from now, written to a file: its path."""
     with open(keys[PREFIX + "privateKey"], "rb") as stream:
         key = serialization.load_pem_private_key(stream.read(), password=None)
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -116,10 +114,32 @@ def test_a_certificate_outside_its_validity_is_refused(pki, tmp_path, valid_from
                .not_valid_after(now + datetime.timedelta(days=valid_to_days)).sign(key, hashes.SHA256()))
     path = tmp_path / "outside.pem"
     path.write_bytes(outside.public_bytes(serialization.Encoding.PEM))
-    keys[PREFIX + "certificate"] = str(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("valid_from_days, valid_to_days, problem", [
+    (-30, -1, "expired on"), (2, 30, "is not valid before")])
+def test_a_certificate_outside_its_validity_is_refused(pki, tmp_path, valid_from_days, valid_to_days, problem):
+    keys = pki.keys(PREFIX, "server-0")
+    keys[PREFIX + "certificate"] = self_signed_outside_validity(keys, tmp_path, valid_from_days, valid_to_days)
     with pytest.raises(ConfigError) as caught:
         tls_of(keys)
     assert caught.value.key == PREFIX + "certificate" and problem in str(caught.value)
+
+
+@pytest.mark.parametrize("valid_from_days, valid_to_days, problem", [
+    (-30, -1, "CN=old expired on"), (2, 30, "CN=old is not valid before")])
+def test_trust_roots_none_of_which_is_valid_now_are_refused(pki, tmp_path, valid_from_days, valid_to_days, problem):
+    keys = pki.keys(PREFIX, "server-0")
+    keys[PREFIX + "trustRoots"] = self_signed_outside_validity(keys, tmp_path, valid_from_days, valid_to_days)
+    with pytest.raises(ConfigError) as caught:
+        tls_of(keys)
+    assert caught.value.key == PREFIX + "trustRoots"
+    assert "is valid now" in str(caught.value) and problem in str(caught.value)
+    # One valid root among them is enough (a CA being rolled over).
+    with open(keys[PREFIX + "trustRoots"], "ab") as stream, open(pki.ca_path, "rb") as ca:
+        stream.write(ca.read())
+    assert tls_of(keys).trust_roots[1].subject.rfc4514_string() == "CN=Waltz local CA"
 
 
 def test_the_daemons_and_the_client_check_their_files_when_the_config_is_read(pki, tmp_path):

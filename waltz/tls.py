@@ -8,13 +8,15 @@ trust stores. Here each prefix takes three PEM files (``docs/operations.md``, "T
 * ``<prefix>trustRoots``: the CA certificates a peer's certificate must chain to.
 
 Given all three, a listening port accepts only peers presenting a certificate that chains to the trust roots,
-and a connection verifies the listening side's certificate the same way (mutual TLS). As in the original, host
-names are not checked: a cluster's members and clients are whoever holds a certificate of its CA, so the CA
-must be one issued for the cluster alone. None of the three given means plain TCP. TLS sits below the framing
-and the Hello: the wire formats are unchanged.
+and a connection verifies the listening side's certificate the same way (mutual TLS), and by default also that
+it names the host connected to (``<prefix>verifyHostname``; the original checked the chain only). A cluster's
+members and clients are whoever holds a certificate of its CA, so the CA must be one issued for the cluster
+alone. None of the three given means plain TCP. TLS sits below the framing and the Hello: the wire formats are
+unchanged.
 
-Everything is read and checked when the configuration is loaded, so a missing file, a malformed PEM or a key
-that does not match its certificate stops the process before it binds anything, naming the key.
+Everything is read and checked when the configuration is loaded, so a missing file, a malformed PEM, a key
+that does not match its certificate, a certificate or trust roots out of their validity, or a certificate whose
+extended key usage does not allow its role stops the process before it binds anything, naming the key.
 """
 
 import datetime
@@ -297,12 +299,20 @@ def _check_usage(certificate, role, path, key):
                           "not include %s" % (key, path, what, name), key)
 
 
+def _validity(certificate, now):
+    """Why ``certificate`` is not valid at ``now``, e.g. ``CN=old CA expired on 2025-01-01T00:00:00+00:00``."""
+    subject = certificate.subject.rfc4514_string()
+    if certificate.not_valid_after_utc <= now:
+        return "%s expired on %s" % (subject, certificate.not_valid_after_utc.isoformat())
+    return "%s is not valid before %s" % (subject, certificate.not_valid_before_utc.isoformat())
+
+
 def load_tls(config, prefix, role=None):
     """The :class:`TLSConfig` under ``prefix`` of a validated ``config`` (keys from :func:`tls_keys`), or None
     when none of its keys is set. :class:`~waltz.config.ConfigError` names the key of anything wrong: a key
     missing beside the others, an unreadable file, a malformed PEM, a key that is not the certificate's, a
-    certificate out of its validity, or one whose extended key usage does not allow ``role``
-    (:data:`SERVES` or :data:`CONNECTS`)."""
+    certificate out of its validity, trust roots none of which is valid now, or a certificate whose extended key
+    usage does not allow ``role`` (:data:`SERVES` or :data:`CONNECTS`)."""
     paths = {suffix: config.get(prefix + suffix) for suffix in SUFFIXES}
     given = [suffix for suffix in SUFFIXES if paths[suffix] is not None]
     if not given:
@@ -317,6 +327,10 @@ def load_tls(config, prefix, role=None):
     private_key = _private_key(_read(paths["privateKey"], private_key_key), paths["privateKey"], private_key_key)
     roots = _certificates(_read(paths["trustRoots"], roots_key), paths["trustRoots"], roots_key)
     now = datetime.datetime.now(datetime.timezone.utc)
+    if not any(root.not_valid_before_utc <= now < root.not_valid_after_utc for root in roots):
+        raise ConfigError("config key '%s': no certificate in %s is valid now (%s): no peer's certificate could "
+                          "chain to them" % (roots_key, paths["trustRoots"], "; ".join(
+                              _validity(root, now) for root in roots)), roots_key)
     expiry, start = certificates[0].not_valid_after_utc, certificates[0].not_valid_before_utc
     if expiry <= now:
         raise ConfigError("config key '%s': the certificate in %s expired on %s" % (
