@@ -899,3 +899,15 @@ def test_an_error_about_bad_partition_ids_names_a_few_and_counts_the_rest():
     assert str(raised.value) == "partition ids [4, 5, 6, 7, 8, 9, 10, 11, 12, 13] and 3999986 more are not in 0..3"
     with pytest.raises(InvalidPartitions, match=r"^partition ids \[-1, 7\] are not in 0..3$"):
         check_partitions([7, -1, 0, 7], 4)
+
+
+@pytest.mark.parametrize("negotiated_ms, give_up_after", [(None, 24.0), (30000, 24.0), (6000, 4.8), (60000, 24.0)])
+def test_the_give_up_counts_with_the_negotiated_session_timeout_when_zookeeper_granted_a_shorter_one(
+        negotiated_ms, give_up_after):
+    # zookeeper.sessionTimeout 30 s; a ZooKeeper whose maxSessionTimeout is 6 s expires the session 6 s after it
+    # last heard from it: counting 0.8 x 30 s, the server gave its partitions up 18 s after they could have moved.
+    cluster = _OneSessionCluster(_assignment())
+    cluster.zk.negotiated_session_timeout_ms = negotiated_ms
+    membership = _member_of(cluster, Clock(), [])
+    assert membership.give_up_after == pytest.approx(give_up_after)
+    assert membership.probe_interval == pytest.approx(give_up_after / 0.8 / 6)

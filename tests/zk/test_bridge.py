@@ -355,3 +355,30 @@ async def test_cancelling_a_watch_set_up_stops_the_watch_it_sets_up(zk_client, c
     await zk_client.sync(cluster_root)
     await task.deferLater(reactor, 0.3, lambda: None)
     assert seen.calls == [] and len(zk_client.kazoo.state_listeners) == before
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_session_timeout_zookeeper_negotiated_is_known_after_the_handshake(zookeeper, tmp_path):
+    from waltz.local.zookeeper import LocalZooKeeper
+    # Asked within the server's bounds (the shared ZooKeeper allows up to 600 s): granted as asked.
+    client = ZooKeeperClient(zookeeper.connect_string, session_timeout_ms=12000, reactor=reactor)
+    assert client.negotiated_session_timeout_ms is None
+    await client.connect()
+    try:
+        assert client.negotiated_session_timeout_ms == 12000 == client.effective_session_timeout_ms
+    finally:
+        await client.close()
+    # A ZooKeeper whose maxSessionTimeout is 4 s grants 4 s to a client asking for 30 s.
+    strict = LocalZooKeeper(tmp_path / "strict", max_session_timeout=4000)
+    from twisted.internet import threads
+    await threads.deferToThread(strict.start)
+    try:
+        client = ZooKeeperClient(strict.connect_string, session_timeout_ms=30000, reactor=reactor)
+        await client.connect()
+        try:
+            assert client.negotiated_session_timeout_ms == 4000 == client.effective_session_timeout_ms
+            assert client.session_timeout_ms == 30000
+        finally:
+            await client.close()
+    finally:
+        await threads.deferToThread(strict.stop)

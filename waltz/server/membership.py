@@ -80,6 +80,20 @@ GIVE_UP_FRACTION = 0.8
 PROBES_PER_SESSION_TIMEOUT = 6
 
 
+def _session_timeout_ms(zk, log):
+    """The session timeout T the give-up counts with: the one asked for, or the one ZooKeeper negotiated when
+    shorter (it bounds what a client asks by its ``maxSessionTimeout``: counting with the longer one would
+    give the partitions up after ZooKeeper could have moved them)."""
+    requested = getattr(zk, "session_timeout_ms", 30000)
+    negotiated = getattr(zk, "negotiated_session_timeout_ms", None)
+    if negotiated is None or negotiated == requested:
+        return requested
+    log.warn("ZooKeeper granted a session timeout of {negotiated} ms where zookeeper.sessionTimeout asks for "
+             "{requested} ms (it bounds it by its minSessionTimeout and maxSessionTimeout); the partitions are "
+             "given up by the shorter one", negotiated=negotiated, requested=requested)
+    return min(requested, negotiated)
+
+
 class MembershipState(enum.Enum):
     NEW = "new"
     JOINING = "joining"        # allocating the server id, registering the descriptor
@@ -140,7 +154,7 @@ class ServerMembership:
         self.retry_interval = retry_interval
         self.max_retry_interval = max(retry_interval, max_retry_interval)
         self._reconcile_failures = 0    # reconcile passes failed in a row: the next retry's delay doubles
-        session_timeout = getattr(cluster.zk, "session_timeout_ms", 30000) / 1000.0
+        session_timeout = _session_timeout_ms(cluster.zk, self.log) / 1000.0
         self.give_up_after = GIVE_UP_FRACTION * session_timeout if give_up_after is None else give_up_after
         self.probe_interval = session_timeout / PROBES_PER_SESSION_TIMEOUT
         self._last_contact = None       # reactor time at which the last answered probe was sent

@@ -145,6 +145,10 @@ class ZooKeeperClient:
             hosts=connect_string, timeout=session_timeout_ms / 1000.0,
             connection_retry={"max_tries": -1, "max_delay": 1.0},
             command_retry=None)
+        #: The session timeout ZooKeeper granted at the last session's handshake (it bounds what a client asks
+        #: for by its ``minSessionTimeout``..``maxSessionTimeout``), in ms; None before the first handshake.
+        self.negotiated_session_timeout_ms = None
+        self._record_negotiated_timeout()
         self._listeners = []
         self._kazoo.add_listener(self._on_kazoo_state)
         # A close may come while a connect still waits in another thread (a command line giving up):
@@ -152,6 +156,31 @@ class ZooKeeperClient:
         self._closing = threading.Event()
         self._stop_lock = threading.Lock()
         self._stopping_in_background = False   # kazoo is being stopped without waiting (_stop_in_background)
+
+    def _record_negotiated_timeout(self):
+        """Keep the session timeout ZooKeeper negotiates. Kazoo keeps it to itself: its connection's handshake
+        (``ConnectionHandler._connect``, kazoo 2.x) returns the read timeout it derives, two thirds of it. A kazoo
+        without that method leaves :attr:`negotiated_session_timeout_ms` None (the requested one is used)."""
+        connection = getattr(self._kazoo, "_connection", None)
+        handshake = getattr(connection, "_connect", None)
+        if handshake is None:
+            return
+
+        def recording_handshake(*args, **kwargs):
+            result = handshake(*args, **kwargs)
+            try:
+                self.negotiated_session_timeout_ms = int(round(result[0] * 1.5))
+            except (TypeError, IndexError):
+                pass
+            return result
+        connection._connect = recording_handshake
+
+    @property
+    def effective_session_timeout_ms(self):
+        """The shorter of the requested and the negotiated session timeouts: how long the session surely lasts
+        without contact."""
+        negotiated = self.negotiated_session_timeout_ms
+        return self.session_timeout_ms if negotiated is None else min(self.session_timeout_ms, negotiated)
 
     @classmethod
     def from_config(cls, config, reactor=None):
