@@ -15,6 +15,7 @@ class IStorePartition(Interface):
     partition_id = Attribute("The partition id.")
     high_water_mark = Attribute("The id of the last committed transaction (-1 when none).")
     healthy = Attribute("True while a store session is open and writing.")
+    lost = Attribute("Why the partition was lost (another server's newer generation), or None.")
 
     def append(req_id, header, data, checksum):
         """Queue one transaction; fires with its transaction id once a quorum stored it durably.
@@ -40,6 +41,10 @@ class IStorePartition(Interface):
 
     def add_listener(listener):
         """``listener(high_water_mark)`` is called after each commit and each recovery."""
+
+    def add_lost_listener(listener):
+        """``listener(reason)`` is called once if the partition is lost: another server opened a store session
+        at a newer generation (``lost`` then says why)."""
 
     def close():
         """Stop writing; pending appends fail. Fires when closed."""

@@ -428,6 +428,8 @@ async def test_a_replica_added_while_another_is_down_does_not_outvote_what_a_quo
 async def test_second_session_fences_the_first(scenario):
     await scenario.add_storages(3)
     old = await scenario.open_store(generation=1)
+    told = []
+    old.add_lost_listener(told.append)
     await append_all(old, range(3))
     new = await scenario.open_store(generation=2)   # another server takes the partition over
     await writing(new)
@@ -435,7 +437,7 @@ async def test_second_session_fences_the_first(scenario):
     with pytest.raises((AppendFailed, AppendFateUnknown, PartitionNotOwned)):
         await old.append(req(99), 0, b"stale", checksum(b"stale"))
     await until(lambda: old.lost is not None)
-    assert "generation 1" in old.lost
+    assert "generation 1" in old.lost and told == [old.lost], "its lost listeners are told once"
     await all_joined(scenario, new)
     await assert_replicas_hold(scenario, range(4))
     metadata, _ = await replica_states(scenario)

@@ -16,6 +16,16 @@ class DummyStorePartition:
         self.partition_id, self.generation = partition_id, generation
         self.lost = None
         self.closed = False
+        self._lost_listeners = []
+
+    def add_lost_listener(self, listener):
+        self._lost_listeners.append(listener)
+
+    def lose(self, reason):
+        """As StorePartition._lose: ``lost`` set, then the listeners told."""
+        self.lost = reason
+        for listener in self._lost_listeners:
+            listener(reason)
 
 
 class DummyStore:
@@ -76,14 +86,30 @@ def test_a_lost_partition_is_closed_and_reported():
     assert partitions.lost == {} and partitions.problems() == []
 
 
-def test_lost_partitions_are_found_on_the_reactor():
+def test_a_lost_partition_is_given_out_no_more_at_once_and_closed_in_the_next_turn():
+    # It was found by a poll every half second, answering mounts (READY at its old mark) and flushes meanwhile.
+    clock = Clock()
+    store, made, lost, partitions = make(clock)
+    partitions.assign({2: 1, 3: 1})
+    assert partitions.partition(2) is made[0]
+    store.partitions[2].lose("taken over")
+    assert partitions.partition(2) is None, "not given to any request from now on"
+    assert partitions.partition(3) is made[1]
+    assert not made[0].closed and lost == [], "closed in the next turn, not inside the store's own failure"
+    clock.advance(0)
+    assert 2 not in partitions.opened and made[0].closed and lost == [(2, 1, "taken over")]
+    assert clock.getDelayedCalls() == [], "no poll left running"
+
+
+def test_a_partition_closed_before_its_store_partition_is_lost_is_left_alone():
     clock = Clock()
     store, made, lost, partitions = make(clock)
     partitions.assign({2: 1})
-    store.partitions[2].lost = "taken over"
-    clock.advance(partitions.check_interval)
-    assert 2 not in partitions.opened and lost == [(2, 1, "taken over")]
-    assert clock.getDelayedCalls() == [], "nothing left to check: the checker stops"
+    old_store_partition = store.partitions[2]
+    partitions.assign({2: 4})                      # reopened at a newer generation
+    old_store_partition.lose("taken over")         # the old session's loss, late
+    clock.advance(0)
+    assert partitions.partition(2) is made[1] and lost == []
 
 
 def test_clients_are_told_a_lost_partition_is_not_served_here():

@@ -48,6 +48,8 @@ class DummyStore:
         self.auto_commit = auto_commit
         self.pending = []          # (req_id, header, data, checksum, deferred)
         self.listeners = []
+        self.lost_listeners = []
+        self.lost = None
         self.header_reads = []
         self.record_reads = []
         self.fail_reads = None
@@ -87,6 +89,9 @@ class DummyStore:
 
     def add_listener(self, listener):
         self.listeners.append(listener)
+
+    def add_lost_listener(self, listener):
+        self.lost_listeners.append(listener)
 
     def close(self):
         self.closed = True

@@ -28,7 +28,7 @@ A failure during start-up is logged and ends the process with status 1.
 import time
 
 from twisted.application import internet
-from twisted.internet import defer, task
+from twisted.internet import defer
 from twisted.logger import Logger
 
 from waltz.config import ConfigError, liveness_of
@@ -103,22 +103,23 @@ class ServerPartitions:
     only once it is ready (its store partition is writing); :meth:`server_info`
     the :class:`ServerInfo`.
 
-    A partition whose store partition reports ``lost`` (checked every
-    ``check_interval`` seconds on ``reactor``, or by calling
+    A partition whose store partition is *lost* (it tells its lost listeners; on
+    ``reactor``, in the next turn, or at once without one, or by calling
     :meth:`check_lost`) is closed and stays closed until the assignment gives
     it at another generation; ``on_lost(partition_id, generation, reason)`` is
     then called (the service makes the membership read the assignment again).
+    Until it is closed it answers nothing as the partition's owner: the registry
+    no longer gives it out.
     """
 
     log = Logger()
 
-    def __init__(self, store, factory, metrics=None, reactor=None, on_lost=None, check_interval=0.5):
+    def __init__(self, store, factory, metrics=None, reactor=None, on_lost=None):
         self.store = store
         self.factory = factory      # (partition id, generation, store partition) -> ServerPartition
         self.metrics = metrics
         self.reactor = reactor
         self.on_lost = on_lost
-        self.check_interval = check_interval
         self.opened = {}            # partition id -> ServerPartition
         self.ready = set()          # partition ids whose start() fired
         self.failures = {}          # partition id -> why it could not be opened, or its start failed
@@ -126,7 +127,7 @@ class ServerPartitions:
         self.assigned = {}          # the last assignment: partition id -> generation
         self.info = None
         self._store_partitions = {}  # partition id -> the store partition of the opened ServerPartition
-        self._checker = None
+        self._lost_call = None      # the DelayedCall of check_lost after a store partition was lost
         self.stopping = False       # close_all() ran: nothing opens again
 
     # --- the registry contract ------------------------------------------------------------------
@@ -157,7 +158,6 @@ class ServerPartitions:
         unopened = [partition_id for partition_id, generation in sorted(assigned.items())
                     if partition_id not in self.opened and partition_id not in self.lost
                     and not self._open(partition_id, generation)]
-        self._check_lost_later()
         if unopened:
             # The others are open. Raised, the membership tries the same assignment again shortly (its
             # reconcile retry), and only these are opened again.
@@ -180,6 +180,9 @@ class ServerPartitions:
             return False
         self.opened[partition_id] = partition
         self._store_partitions[partition_id] = store_partition
+        watch = getattr(store_partition, "add_lost_listener", None)    # (tests' dummy stores have none)
+        if watch is not None:
+            watch(lambda reason, partition=partition: self._store_partition_lost(partition))
         if self.metrics is not None:
             self.metrics.partition_opens.inc()
             self.metrics.generation.set(generation, partition_id)
@@ -250,22 +253,27 @@ class ServerPartitions:
                     self.on_lost(partition_id, generation, reason)
                 except Exception:
                     self.log.failure("on_lost({pid}) failed", pid=partition_id)
-        if not self.opened:
-            self._stop_checking()
         return found
 
-    def _check_lost_later(self):
-        if self.reactor is None or not self.opened or self._checker is not None:
+    def _store_partition_lost(self, partition):
+        """``partition``'s store partition was lost: it stops being given out now, and is closed in the next
+        reactor turn (the store partition is still failing its appends, the turn this is called in)."""
+        if not self._current(partition):
             return
-        self._checker = task.LoopingCall(self.check_lost)
-        self._checker.clock = self.reactor
-        self._checker.start(self.check_interval, now=False).addErrback(
-            lambda f: self.log.failure("checking for lost partitions failed", f))
+        self.ready.discard(partition.partition_id)
+        if self.reactor is None:
+            self.check_lost()
+        elif self._lost_call is None:
+            self._lost_call = self.reactor.callLater(0, self._check_lost_now)
+
+    def _check_lost_now(self):
+        self._lost_call = None
+        self.check_lost()
 
     def _stop_checking(self):
-        checker, self._checker = self._checker, None
-        if checker is not None and checker.running:
-            checker.stop()
+        call, self._lost_call = self._lost_call, None
+        if call is not None and call.active():
+            call.cancel()
 
     def problems(self):
         """Partitions that failed to start, or whose store is not writing."""

@@ -83,6 +83,7 @@ class StorePartition:
         self._in_flight = collections.deque()   # batches handed to the session, oldest first
         self._unsettled = []          # batches whose session died before they committed
         self._listeners = []
+        self._lost_listeners = []
         self._flush_waiters = []
         self._opening = None
         self._restart_call = None       # the DelayedCall that starts the next session, if one is due
@@ -130,6 +131,11 @@ class StorePartition:
 
     def add_listener(self, listener):
         self._listeners.append(listener)
+
+    def add_lost_listener(self, listener):
+        """Call ``listener(reason)`` once, when the partition is lost (:attr:`lost`: another server opened a store
+        session at a newer generation)."""
+        self._lost_listeners.append(listener)
 
     def get_records(self, transaction_id, max_records):
         return self._read(RECORDS, transaction_id, max_records)
@@ -253,6 +259,14 @@ class StorePartition:
         self.lost = reason
         self._cancel_calls()
         self.log.warn("partition {pid} lost: {reason}", pid=self.partition_id, reason=reason)
+        # The listeners first: the appends' errbacks below run their callers' code, which must already see the
+        # partition lost.
+        listeners, self._lost_listeners = self._lost_listeners, []
+        for listener in listeners:
+            try:
+                listener(reason)
+            except Exception:
+                self.log.failure("a listener of partition {pid}'s loss failed", pid=self.partition_id)
         self._fail_everything(PartitionNotOwned(reason))
 
     # -- the write path ----------------------------------------------------------------------
