@@ -42,6 +42,7 @@ import time
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import ConnectionClosedError, NoNodeError, RolledBackError
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.serialization import Connect as KazooConnect
 from kazoo.protocol.states import KeeperState
 from twisted.internet import defer, threads
 from twisted.logger import Logger
@@ -158,22 +159,23 @@ class ZooKeeperClient:
         self._stopping_in_background = False   # kazoo is being stopped without waiting (_stop_in_background)
 
     def _record_negotiated_timeout(self):
-        """Keep the session timeout ZooKeeper negotiates. Kazoo keeps it to itself: its connection's handshake
-        (``ConnectionHandler._connect``, kazoo 2.x) returns the read timeout it derives, two thirds of it. A kazoo
-        without that method leaves :attr:`negotiated_session_timeout_ms` None (the requested one is used)."""
+        """Keep the session timeout ZooKeeper negotiates. Kazoo keeps it to itself: it is the ``time_out`` of the
+        answer to the handshake's ``Connect`` request, which kazoo's connection sends through ``_invoke``
+        (kazoo 2.x), before it reports the session connected. A kazoo without that method leaves
+        :attr:`negotiated_session_timeout_ms` None (the requested one is used)."""
         connection = getattr(self._kazoo, "_connection", None)
-        handshake = getattr(connection, "_connect", None)
-        if handshake is None:
+        invoke = getattr(connection, "_invoke", None)
+        if invoke is None:
             return
 
-        def recording_handshake(*args, **kwargs):
-            result = handshake(*args, **kwargs)
-            try:
-                self.negotiated_session_timeout_ms = int(round(result[0] * 1.5))
-            except (TypeError, IndexError):
-                pass
+        def recording_invoke(timeout, request, *args, **kwargs):
+            result = invoke(timeout, request, *args, **kwargs)
+            if isinstance(request, KazooConnect) and isinstance(result, tuple) and result:
+                granted = getattr(result[0], "time_out", None)
+                if isinstance(granted, int) and granted > 0:
+                    self.negotiated_session_timeout_ms = granted
             return result
-        connection._connect = recording_handshake
+        connection._invoke = recording_invoke
 
     @property
     def effective_session_timeout_ms(self):
