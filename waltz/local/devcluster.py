@@ -43,6 +43,7 @@ DEFAULT_ROOT = "/waltz_cluster"
 SERVER_OVERRIDES = {"zookeeper.sessionTimeout": 6000}
 
 _HTTP_PORT_KEYS = {"storage": "storage.http.port", "server": "server.http.port"}
+_HWM_LINE = re.compile(r'^waltz_server_partition_high_water_mark\{partition="(\d+)"\} (-?\d+)', re.M)
 #: The key whose presence in a daemon's recorded config says it was made with TLS.
 _TLS_KEYS = {"storage": "storage.ssl.certificate", "server": "server.ssl.certificate"}
 #: The certificate the ``waltz`` commands (and ``dev up`` itself) present, and the applications'.
@@ -51,7 +52,6 @@ TOOLS_CERTIFICATE, CLIENT_CERTIFICATE = "tools", "client"
 
 class DevClusterError(Exception):
     """The run directory cannot give what was asked (e.g. TLS for daemons made without it)."""
-_HWM_LINE = re.compile(r'^waltz_server_partition_high_water_mark\{partition="(\d+)"\} (-?\d+)', re.M)
 
 
 def _holding_every_partition(topology, storage, admin_port, group, partitions, num_partitions):
@@ -73,7 +73,7 @@ class DevCluster:
         self.pki_dir = os.path.join(self.run_dir, "pki")
         self._tls_asked = tls
         #: The :class:`~waltz.tls.TLSConfig` of this cluster's own connections to admin ports (None: plain TCP);
-        #: set by :meth:`prepare_files`.
+        #: set by :meth:`load_tls` (which :meth:`prepare_files` and so :meth:`up` call).
         self.tls = None
         self.root = root
         self.name = name

@@ -103,13 +103,13 @@ class ServerPartitions:
     only once it is ready (its store partition is writing); :meth:`server_info`
     the :class:`ServerInfo`.
 
-    A partition whose store partition is *lost* (it tells its lost listeners; on
-    ``reactor``, in the next turn, or at once without one, or by calling
-    :meth:`check_lost`) is closed and stays closed until the assignment gives
-    it at another generation; ``on_lost(partition_id, generation, reason)`` is
-    then called (the service makes the membership read the assignment again).
-    Until it is closed it answers nothing as the partition's owner: the registry
-    no longer gives it out.
+    A partition whose store partition is *lost* (another server's generation took
+    it over) is given out no more from the moment the store partition tells its
+    lost listeners, and closed in the next turn of ``reactor`` (at once without
+    one; :meth:`check_lost` does it on demand). It stays closed until the
+    assignment gives it at another generation; ``on_lost(partition_id,
+    generation, reason)`` is then called (the service makes the membership read
+    the assignment again).
     """
 
     log = Logger()
