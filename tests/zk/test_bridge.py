@@ -365,7 +365,7 @@ async def test_the_session_timeout_zookeeper_negotiated_is_known_after_the_hands
     assert client.negotiated_session_timeout_ms is None
     await client.connect()
     try:
-        assert client.negotiated_session_timeout_ms == 12000 == client.effective_session_timeout_ms
+        assert client.negotiated_session_timeout_ms == 12000
     finally:
         await client.close()
     # A ZooKeeper whose maxSessionTimeout is 4 s grants 4 s to a client asking for 30 s.
@@ -376,7 +376,7 @@ async def test_the_session_timeout_zookeeper_negotiated_is_known_after_the_hands
         client = ZooKeeperClient(strict.connect_string, session_timeout_ms=30000, reactor=reactor)
         await client.connect()
         try:
-            assert client.negotiated_session_timeout_ms == 4000 == client.effective_session_timeout_ms
+            assert client.negotiated_session_timeout_ms == 4000
             assert client.session_timeout_ms == 30000
         finally:
             await client.close()

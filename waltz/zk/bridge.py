@@ -177,13 +177,6 @@ class ZooKeeperClient:
             return result
         connection._invoke = recording_invoke
 
-    @property
-    def effective_session_timeout_ms(self):
-        """The shorter of the requested and the negotiated session timeouts: how long the session surely lasts
-        without contact."""
-        negotiated = self.negotiated_session_timeout_ms
-        return self.session_timeout_ms if negotiated is None else min(self.session_timeout_ms, negotiated)
-
     @classmethod
     def from_config(cls, config, reactor=None):
         """A client for a :class:`waltz.config.Config` holding the ``zookeeper.*`` keys."""
