@@ -9,6 +9,7 @@ exits with status 1, because a half-started daemon must not look healthy.
 
 import logging
 import os
+import sys
 
 from twisted.application import service
 from twisted.internet import defer
@@ -35,6 +36,20 @@ def route_standard_logging(level=logging.INFO):
     if not any(isinstance(h, TwistedLogHandler) for h in root.handlers):
         root.addHandler(TwistedLogHandler())
         root.setLevel(level)
+
+
+def load_config_or_exit(load, path, daemon):
+    """``load(path)``: the daemon's validated config. A :class:`~waltz.config.ConfigError` is one line on stderr
+    (``waltz-storage: config key 'storage.port': ...``) and exit status 1, before anything starts: not twistd's
+    usage text, which would take a bad file for a bad command line (and fill a journal under systemd's
+    restarts)."""
+    from waltz.config import ConfigError
+    try:
+        return load(path)
+    except ConfigError as exc:
+        sys.stderr.write("%s: %s\n" % (daemon, exc))
+        sys.stderr.flush()
+        raise SystemExit(1) from None
 
 
 def exit_after_failure(reactor, failure, what):

@@ -9,7 +9,7 @@ starts in :class:`~waltz.server.service.WaltzServerService`'s
 
 from twisted.python import usage
 
-from waltz.config import ConfigError
+from waltz.daemon import load_config_or_exit
 from waltz.server.config import load_server_config
 from waltz.server.service import WaltzServerService
 
@@ -24,10 +24,7 @@ class Options(usage.Options):
     def postOptions(self):
         if not self["config"]:
             raise usage.UsageError("--config FILE is required")
-        try:
-            self.config = load_server_config(self["config"])
-        except ConfigError as exc:
-            raise usage.UsageError(str(exc)) from None
+        self.config = load_config_or_exit(load_server_config, self["config"], "waltz-server")
 
 
 def makeService(options, reactor=None):

@@ -12,8 +12,8 @@ from twisted.application import internet
 from twisted.internet import defer
 from twisted.python import usage
 
-from waltz.config import ConfigError, liveness_of
-from waltz.daemon import AsyncStartService
+from waltz.config import liveness_of
+from waltz.daemon import AsyncStartService, load_config_or_exit
 from waltz.http import health_site
 from waltz.storage.config import TLS_PREFIX, load_storage_config
 from waltz.storage.handlers import AdminServerProtocol, NodeFactory, StorageServerProtocol
@@ -33,10 +33,7 @@ class Options(usage.Options):
     def postOptions(self):
         if not self["config"]:
             raise usage.UsageError("--config FILE is required")
-        try:
-            self.config = load_storage_config(self["config"])
-        except ConfigError as exc:
-            raise usage.UsageError(str(exc)) from None
+        self.config = load_config_or_exit(load_storage_config, self["config"], "waltz-storage")
 
 
 class StorageService(AsyncStartService):

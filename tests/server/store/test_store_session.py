@@ -9,7 +9,7 @@ import gc
 
 import pytest
 from twisted.internet import defer
-from twisted.logger import globalLogPublisher
+from twisted.logger import LogLevel, globalLogPublisher
 from twisted.internet.task import Clock
 from zope.interface import implementer
 from zope.interface.verify import verifyClass, verifyObject
@@ -786,3 +786,26 @@ def test_a_replica_recovering_after_the_departing_voters_were_let_go_copies_from
     assigned["e:1"].connect()
     clock.advance(0.5)
     assert len(assigned["e:1"].log) == 101 and set(session.joined) == {"c:1", "d:1", "e:1"}
+
+
+def test_session_starts_that_keep_failing_back_off_and_log_each_reason_once():
+    # A server started before its partitions had replicas logged a warning every half second per partition.
+    clock, attempts, events = Clock(), [], []
+    reasons = ["partition 0 has no replica assigned in ZooKeeper"] * 12 + ["ZooKeeper connection lost"]
+
+    def failing_factory(*args):
+        attempts.append(clock.seconds())
+        return defer.fail(ConnectionError(reasons[min(len(attempts), len(reasons)) - 1]))
+    partition = StorePartition(0, 1, failing_factory, clock, retry_interval=0.5)
+    globalLogPublisher.addObserver(events.append)
+    try:
+        partition.open()
+        while len(attempts) < 14:
+            clock.advance(clock.getDelayedCalls()[0].getTime() - clock.seconds())
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    gaps = [later - earlier for earlier, later in zip(attempts, attempts[1:])]
+    assert gaps[:6] == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0] and set(gaps[6:]) == {8.0}
+    warned = [e["failures"] for e in events if e.get("log_level") is LogLevel.warn and "failures" in e]
+    assert warned == [1, 10, 13], "a reason when it changes, and every tenth failure in a row"
+    partition.close()

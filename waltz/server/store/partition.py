@@ -55,6 +55,10 @@ class PendingAppend:
         return Record(self.transaction_id, self.req_id, self.header, self.data, self.checksum)
 
 
+#: The longest wait between two session starts of a partition whose starts keep failing, in seconds.
+MAX_RESTART_DELAY = 8.0
+
+
 @implementer(IStorePartition)
 class StorePartition:
     """A replicated partition: appends, reads and the high-water mark across store sessions.
@@ -75,6 +79,8 @@ class StorePartition:
         self.max_batches_in_flight = max_batches_in_flight
         self.checkpoint_interval = checkpoint_interval
         self.retry_interval = retry_interval
+        self._start_failures = 0        # session starts failed in a row (the next one waits twice as long)
+        self._last_start_failure = None  # why the last one failed, as logged
         self.high_water_mark = -1
         self.session = None
         self.closed = False
@@ -194,6 +200,7 @@ class StorePartition:
             return None
         # The mark first: settling reports appends, and their callbacks may append at once (an append task
         # released). Numbered from the old mark, such an append would reuse a committed transaction id.
+        self._start_failures, self._last_start_failure = 0, None
         self.high_water_mark = max(self.high_water_mark, result.high_water_mark)
         self._settle(result.high_water_mark)
         self._notify()
@@ -208,10 +215,22 @@ class StorePartition:
             self._lose("generation %d is stale: %s" % (self.generation, failure.getErrorMessage()))
             return None
         if not self.closed:
-            self.log.warn("partition {pid}: store session could not start: {reason}; retrying",
-                          pid=self.partition_id, reason=failure.getErrorMessage())
-            self._restart_later(self.retry_interval)
+            self._restart_later(self._start_failed_delay(failure.getErrorMessage()))
         return None
+
+    def _start_failed_delay(self, reason):
+        """How long to wait before the next session start after one failed for ``reason``: ``retry_interval``,
+        doubling with each failure in a row up to :data:`MAX_RESTART_DELAY`. A partition that cannot start for
+        good (no replica assigned yet) neither busy-loops nor floods the log: a reason is logged when it
+        changes, and then every tenth failure."""
+        self._start_failures += 1
+        failures = self._start_failures
+        delay = min(self.retry_interval * 2 ** min(failures - 1, 16), max(self.retry_interval, MAX_RESTART_DELAY))
+        emit = self.log.warn if reason != self._last_start_failure or failures % 10 == 0 else self.log.debug
+        emit("partition {pid}: store session could not start: {reason}; retrying in {delay:.1f} s ({failures} "
+             "failed in a row)", pid=self.partition_id, reason=reason, delay=delay, failures=failures)
+        self._last_start_failure = reason
+        return delay
 
     def _restart_later(self, delay):
         """Start a new session after ``delay`` seconds, or sooner if that is due already (a failed
