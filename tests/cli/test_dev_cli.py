@@ -191,3 +191,18 @@ async def test_up_reads_files_and_processes_off_the_reactor_thread_and_registers
                                            "server-0.is_running", "server-0.pid"}
     on_the_reactor = [name for name, thread in calls if thread is threading.main_thread()]
     assert on_the_reactor == []    # the reactor runs on the main thread
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly_as_sigpipe_would(tmp_path):
+    # `waltz ... | head -1` printed "waltz: error: Broken pipe" and exited 1.
+    import subprocess
+    import sys
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "waltz.cli.main", "dev", "status", "--run-dir",
+                                 str(tmp_path / "none")], stdout=write_end, stderr=subprocess.PIPE, text=True,
+                                timeout=30)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 128 + signal.SIGPIPE and result.stderr == ""

@@ -10,6 +10,8 @@ set, its traceback is printed first.
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 import traceback
 
@@ -52,13 +54,25 @@ def main(argv=None):
     try:
         args = build_parser().parse_args(argv)     # (imports the command modules: interruptible here)
         status = args.func(args) or 0
+        sys.stdout.flush()      # here, where a reader gone away is a BrokenPipeError below, not at exit
     except KeyboardInterrupt as interrupt:
         said = ": %s" % interrupt.args[0] if interrupt.args else ""     # what the command left behind, if it says
         print("waltz: interrupted" + said, file=sys.stderr)
         status = 130
+    except BrokenPipeError:
+        status = _output_closed()
     except Exception as exc:
         status = report_error(exc)
     sys.exit(status)
+
+
+def _output_closed():
+    """The reader of the output went away (``waltz ... | head -1``): end quietly with the status of a process
+    killed by SIGPIPE, as other command-line tools do, and let nothing more be written to the closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def report_error(exc):
