@@ -139,3 +139,17 @@ def test_the_daemons_apply_their_idle_timeout_to_every_connection(tmp_path):
     storage._listen()
     factories = [port.args[1] for port in storage.ports[:2]]
     assert [factory.liveness.idle_timeout for factory in factories] == [50.0, 50.0]
+
+
+@pytest.mark.parametrize("value, message", [
+    (70000, "config key 'storage.port': expected a port number 1-65535, got 70000"),
+    ("abc", "config key 'storage.port': expected an integer (got 'abc')"),
+])
+def test_a_bad_value_is_named_once_in_plain_words(value, message):
+    # Was "... got 70000 (got 70000)" and "invalid literal for int() with base 10: 'abc' (got 'abc')".
+    from waltz.config import build_config
+    from waltz.storage.config import STORAGE_KEYS
+    with pytest.raises(ConfigError) as caught:
+        build_config({"storage.port": value, "storage.directory": "/tmp/waltz", "zookeeper.connectString": "h:1",
+                      "cluster.root": "/w"}, STORAGE_KEYS)
+    assert str(caught.value) == message

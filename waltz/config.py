@@ -30,7 +30,10 @@ REQUIRED = object()
 def _parse_int(value):
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError("expected an integer")
-    return int(value)
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError("expected an integer") from None     # not int()'s "invalid literal for int() ..."
 
 
 def _parse_bool(value):
@@ -193,7 +196,9 @@ class Key:
         try:
             return parse(raw)
         except (ValueError, TypeError) as exc:
-            raise ConfigError("config key '%s': %s (got %r)" % (self.name, exc, raw), self.name) from None
+            problem = str(exc)
+            got = "" if "got %s" % (raw,) in problem or "got %r" % (raw,) in problem else " (got %r)" % (raw,)
+            raise ConfigError("config key '%s': %s%s" % (self.name, problem, got), self.name) from None
 
 
 @attr.s(frozen=True, slots=True)
