@@ -84,6 +84,11 @@ class LocalDaemon:
         """Start the daemon and wait until ``/ping`` answers; :class:`DaemonError` if it dies first."""
         if self.is_running():
             return self
+        if self.ping():
+            # Another process serves this daemon's HTTP port (one started by hand, or not recorded here): the new
+            # one would die at once, and its /ping would be answered by the other, reported as started.
+            raise DaemonError("%s: http port %d already answers /ping: another process serves it; stop it first"
+                              % (self.kind, self.http_port))
         self.write_config()
         with open(os.path.join(self.run_dir, "%s.stdout" % self.kind), "ab") as out:
             self.process = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
