@@ -153,3 +153,14 @@ def test_a_bad_value_is_named_once_in_plain_words(value, message):
         build_config({"storage.port": value, "storage.directory": "/tmp/waltz", "zookeeper.connectString": "h:1",
                       "cluster.root": "/w"}, STORAGE_KEYS)
     assert str(caught.value) == message
+
+
+def test_a_key_written_with_no_value_is_refused_naming_it(tmp_path):
+    # Was taken for the default, silently (a storage bound its default port).
+    from waltz.storage.config import load_storage_config
+    path = tmp_path / "storage.yaml"
+    path.write_text("zookeeper.connectString: 127.0.0.1:2181\ncluster.root: /w\nstorage.directory: /tmp/w\n"
+                    "storage:\n  port:\n")
+    with pytest.raises(ConfigError) as caught:
+        load_storage_config(str(path))
+    assert caught.value.key == "storage.port" and "has no value" in str(caught.value)

@@ -314,8 +314,14 @@ def build_config(raw, keys, open_prefixes=()):
 
 
 def load_config(path, keys, open_prefixes=()):
-    """Read and validate the YAML file at ``path``."""
-    return build_config(read_yaml(path), keys, open_prefixes)
+    """Read and validate the YAML file at ``path``. A key written with no value (``storage.port:``) is refused:
+    taking it for the default would hide a value lost in an edit."""
+    raw = read_yaml(path)
+    for name, value in sorted(flatten(raw).items()):
+        if value is None:
+            raise ConfigError("config key '%s' in %s has no value: give it one, or leave the key out for its "
+                              "default" % (name, path), name)
+    return build_config(raw, keys, open_prefixes)
 
 
 def check_distinct_ports(config, names):

@@ -52,10 +52,13 @@ def load_config_or_exit(load, path, daemon):
         raise SystemExit(1) from None
 
 
-def exit_after_failure(reactor, failure, what):
-    """Log ``failure`` as the reason ``what`` failed and end the process with status 1."""
+def exit_after_failure(reactor, failure, what, expected=()):
+    """Log ``failure`` as the reason ``what`` failed and end the process with status 1. A failure of one of the
+    ``expected`` types (the operator's to fix: no cluster, a port in use...) is one line; any other (a bug) is
+    logged with its traceback as well."""
     log.critical("{what} failed: {reason}", what=what, reason=failure.getErrorMessage())
-    log.failure("{what} failed", failure, what=what)
+    if not (expected and failure.check(*expected)):
+        log.failure("{what} failed", failure, what=what)
     # os._exit after the reactor has shut down cleanly: twistd itself has no exit status.
     reactor.addSystemEventTrigger("after", "shutdown", os._exit, 1)
     if reactor.running:
@@ -72,6 +75,8 @@ class AsyncStartService(service.MultiService):
     """
 
     name = "waltz-daemon"
+    #: Start-up failures whose one-line reason says all (see :func:`exit_after_failure`).
+    expected_failures = ()
 
     def __init__(self, reactor):
         super().__init__()
@@ -83,7 +88,8 @@ class AsyncStartService(service.MultiService):
         route_standard_logging()
         self.started = defer.maybeDeferred(self.start)
         self.started.addCallback(lambda result: (tune_garbage_collector(), result)[1])
-        self.started.addErrback(lambda f: exit_after_failure(self.reactor, f, "%s start-up" % self.name))
+        self.started.addErrback(lambda f: exit_after_failure(self.reactor, f, "%s start-up" % self.name,
+                                                             self.expected_failures))
 
     def stopService(self):
         d = defer.maybeDeferred(super().stopService)

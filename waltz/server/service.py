@@ -29,6 +29,7 @@ import time
 
 from twisted.application import internet
 from twisted.internet import defer
+from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 
 from waltz.config import ConfigError, liveness_of
@@ -44,6 +45,7 @@ from waltz.server.store.metrics import StoreMetrics
 from waltz.server.store.store import Store
 from waltz.tls import load_tls, server_factory
 from waltz.zk.bridge import SessionState, ZooKeeperClient
+from waltz.zk.errors import ZooKeeperLayerError
 from waltz.zk.metadata import ClusterMetadata
 
 
@@ -340,6 +342,7 @@ class WaltzServerService(AsyncStartService):
     """One Waltz server (see the module docstring for the start-up order)."""
 
     name = "waltz-server"
+    expected_failures = (ConfigError, ZooKeeperLayerError, InvalidPartitions, CannotListenError)
     log = Logger()
 
     def __init__(self, config, reactor, partition_factory=None, rng=None, clock=time.monotonic):

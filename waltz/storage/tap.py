@@ -10,16 +10,19 @@ config file is reported by ``Options`` naming the key, before anything starts.
 
 from twisted.application import internet
 from twisted.internet import defer
+from twisted.internet.error import CannotListenError
 from twisted.python import usage
 
-from waltz.config import liveness_of
+from waltz.config import ConfigError, liveness_of
 from waltz.daemon import AsyncStartService, load_config_or_exit
 from waltz.http import health_site
 from waltz.storage.config import TLS_PREFIX, load_storage_config
+from waltz.storage.errors import StorageError
 from waltz.storage.handlers import AdminServerProtocol, NodeFactory, StorageServerProtocol
 from waltz.storage.node import StorageNode
 from waltz.tls import SERVES, load_tls, server_factory
 from waltz.zk.bridge import ZooKeeperClient
+from waltz.zk.errors import ZooKeeperLayerError
 from waltz.zk.metadata import ClusterMetadata
 
 
@@ -40,6 +43,7 @@ class StorageService(AsyncStartService):
     """Runs one storage node: ZooKeeper metadata, the storage directory, three ports."""
 
     name = "waltz-storage"
+    expected_failures = (ConfigError, ZooKeeperLayerError, StorageError, CannotListenError)
 
     def __init__(self, config, reactor):
         super().__init__(reactor)
