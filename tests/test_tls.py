@@ -117,25 +117,23 @@ def self_signed_outside_validity(keys, tmp_path, valid_from_days, valid_to_days)
     return str(path)
 
 
-@pytest.mark.parametrize("valid_from_days, valid_to_days, problem", [
-    (-30, -1, "expired on"), (2, 30, "is not valid before")])
-def test_a_certificate_outside_its_validity_is_refused(pki, tmp_path, valid_from_days, valid_to_days, problem):
+@pytest.mark.parametrize("suffix, valid_from_days, valid_to_days, problem", [
+    ("certificate", -30, -1, "the certificate in %s expired on"),
+    ("certificate", 2, 30, "the certificate in %s is not valid before"),
+    ("trustRoots", -30, -1, "no certificate in %s is valid now (CN=old expired on"),
+    ("trustRoots", 2, 30, "no certificate in %s is valid now (CN=old is not valid before")])
+def test_a_certificate_or_trust_roots_outside_their_validity_are_refused(pki, tmp_path, suffix, valid_from_days,
+                                                                        valid_to_days, problem):
     keys = pki.keys(PREFIX, "server-0")
-    keys[PREFIX + "certificate"] = self_signed_outside_validity(keys, tmp_path, valid_from_days, valid_to_days)
+    keys[PREFIX + suffix] = self_signed_outside_validity(keys, tmp_path, valid_from_days, valid_to_days)
     with pytest.raises(ConfigError) as caught:
         tls_of(keys)
-    assert caught.value.key == PREFIX + "certificate" and problem in str(caught.value)
+    assert caught.value.key == PREFIX + suffix and problem % keys[PREFIX + suffix] in str(caught.value)
 
 
-@pytest.mark.parametrize("valid_from_days, valid_to_days, problem", [
-    (-30, -1, "CN=old expired on"), (2, 30, "CN=old is not valid before")])
-def test_trust_roots_none_of_which_is_valid_now_are_refused(pki, tmp_path, valid_from_days, valid_to_days, problem):
+def test_trust_roots_with_one_valid_root_among_them_are_accepted(pki, tmp_path):
     keys = pki.keys(PREFIX, "server-0")
-    keys[PREFIX + "trustRoots"] = self_signed_outside_validity(keys, tmp_path, valid_from_days, valid_to_days)
-    with pytest.raises(ConfigError) as caught:
-        tls_of(keys)
-    assert caught.value.key == PREFIX + "trustRoots"
-    assert "is valid now" in str(caught.value) and problem in str(caught.value)
+    keys[PREFIX + "trustRoots"] = self_signed_outside_validity(keys, tmp_path, -30, -1)
     # One valid root among them is enough (a CA being rolled over).
     with open(keys[PREFIX + "trustRoots"], "ab") as stream, open(pki.ca_path, "rb") as ca:
         stream.write(ca.read())
@@ -168,6 +166,19 @@ def test_the_daemons_and_the_client_check_their_files_when_the_config_is_read(pk
 # --- the handshake, on 127.0.0.1 --------------------------------------------------------------
 
 
+#: Every :class:`_Peer` of the running test (see :func:`_settle_peers`).
+_PEERS = []
+
+
+@pytest.fixture(autouse=True)
+def _settle_peers():
+    """After each test, the failed Hello of a peer no test waited for (a side of a refused handshake) is taken,
+    instead of being logged as an unhandled error when the peer is collected, during some later test."""
+    yield
+    while _PEERS:
+        _PEERS.pop().made_ready.addErrback(lambda failure: None)
+
+
 class _Peer(WaltzProtocol):
     """Either side of a client-family connection: records its handshake and its close."""
 
@@ -177,6 +188,7 @@ class _Peer(WaltzProtocol):
         super().__init__()
         self.made_ready = defer.Deferred()
         self.closed_with = defer.Deferred()
+        _PEERS.append(self)
 
     def connectionReady(self):
         self.made_ready.callback(self.version)
@@ -251,7 +263,6 @@ async def _refused(reactor, listener, tls):
     await client.closed_with
     for accepted in listener.accepted:
         await accepted.closed_with
-        assert not accepted.made_ready.called or accepted.made_ready.result is not None
     assert all(proto.version is None for proto in listener.accepted + [client])
 
 

@@ -364,6 +364,17 @@ async def test_a_child_that_is_not_a_descriptor_does_not_stop_reconciling(server
 # --- what the server does with its assignment (waltz/server/service.py) ------------------------------
 
 
+class DummyStorePartition:
+    """A store partition that is never lost."""
+
+    def __init__(self, partition_id, generation):
+        self.key = ("store", partition_id, generation)
+        self.lost = None
+
+    def add_lost_listener(self, listener):
+        pass
+
+
 class DummyStore:
     """Records the store partitions handed out and closed."""
 
@@ -372,7 +383,7 @@ class DummyStore:
 
     def partition(self, partition_id, generation):
         self.opened.append((partition_id, generation))
-        return ("store", partition_id, generation)
+        return DummyStorePartition(partition_id, generation)
 
     def close_partition(self, partition_id):
         self.closed.append(partition_id)
@@ -403,7 +414,7 @@ def test_server_partitions_follow_the_assignment():
 
     partitions.assign({0: 1, 1: 1})
     first, second = made
-    assert store.opened == [(0, 1), (1, 1)] and first.store == ("store", 0, 1)
+    assert store.opened == [(0, 1), (1, 1)] and first.store.key == ("store", 0, 1)
     assert partitions.partition(0) is None, "not ready before start() fired"
     assert partitions.problems() == ["partition 0 (generation 1): the store is not writing",
                                      "partition 1 (generation 1): the store is not writing"]

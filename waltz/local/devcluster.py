@@ -75,6 +75,7 @@ class DevCluster:
         #: The :class:`~waltz.tls.TLSConfig` of this cluster's own connections to admin ports (None: plain TCP);
         #: set by :meth:`load_tls` (which :meth:`prepare_files` and so :meth:`up` call).
         self.tls = None
+        self._pki = None            # the run directory's LocalPKI, with TLS (set by load_tls)
         self.root = root
         self.name = name
         self.num_partitions = num_partitions
@@ -113,9 +114,8 @@ class DevCluster:
         zookeeper = {"zookeeper.connectString": self.connect_string, "cluster.root": self.root}
         tools, client = dict(zookeeper), dict(zookeeper)
         if self.load_tls() is not None:
-            pki = LocalPKI(self.pki_dir)
-            tools.update(pki.keys("ssl.", TOOLS_CERTIFICATE))
-            client.update(pki.keys("client.ssl.", CLIENT_CERTIFICATE))
+            tools.update(self._pki.keys("ssl.", TOOLS_CERTIFICATE))
+            client.update(self._pki.keys("client.ssl.", CLIENT_CERTIFICATE))
         os.makedirs(self.run_dir, exist_ok=True)
         write_config(self.tools_config_path, tools)
         write_config(self.client_config_path, client)
@@ -125,22 +125,23 @@ class DevCluster:
         (blocking). :class:`DevClusterError` when TLS is asked of a run directory whose daemons were made
         without it."""
         if not self.uses_tls():
-            self.tls = None
+            self.tls = self._pki = None
             return None
         plain = [name for name, daemon in self.daemons() if _TLS_KEYS[daemon.kind] not in daemon.config]
         if plain:
             raise DevClusterError("%s in %s %s made without TLS: stop the cluster ('waltz dev down') and use "
                                   "another --run-dir for a TLS cluster" % (
                                       ", ".join(plain), self.run_dir, "was" if len(plain) == 1 else "were"))
-        self.tls = LocalPKI(self.pki_dir).tls(TOOLS_CERTIFICATE)
+        self._pki = LocalPKI(self.pki_dir)
+        self.tls = self._pki.tls(TOOLS_CERTIFICATE)
         return self.tls
 
     def _tls_keys(self, kind, index):
         """The TLS keys of daemon ``kind``-``index``'s config, or none (blocking)."""
-        if self.tls is None:
+        if self._pki is None:
             return {}
-        pki, name = LocalPKI(self.pki_dir), "%s-%d" % (kind, index)
-        return pki.keys("storage.ssl.", name) if kind == "storage" else pki.server_keys(name)
+        name = "%s-%d" % (kind, index)
+        return self._pki.keys("storage.ssl.", name) if kind == "storage" else self._pki.server_keys(name)
 
     def daemon_dir(self, kind, index):
         return os.path.join(self.run_dir, "%s-%d" % (kind, index))

@@ -182,9 +182,7 @@ class ServerPartitions:
             return False
         self.opened[partition_id] = partition
         self._store_partitions[partition_id] = store_partition
-        watch = getattr(store_partition, "add_lost_listener", None)    # (tests' dummy stores have none)
-        if watch is not None:
-            watch(lambda reason, partition=partition: self._store_partition_lost(partition))
+        store_partition.add_lost_listener(lambda reason, partition=partition: self._store_partition_lost(partition))
         if self.metrics is not None:
             self.metrics.partition_opens.inc()
             self.metrics.generation.set(generation, partition_id)
@@ -241,7 +239,8 @@ class ServerPartitions:
         """Close every opened partition whose store partition is lost; returns their ids."""
         found = []
         for partition_id in sorted(self.opened):
-            reason = getattr(self._store_partitions.get(partition_id), "lost", None)
+            store_partition = self._store_partitions.get(partition_id)
+            reason = store_partition.lost if store_partition is not None else None
             if not reason:
                 continue
             generation = self.opened[partition_id].generation
