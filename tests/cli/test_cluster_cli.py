@@ -69,9 +69,15 @@ def test_auto_assign_and_show(cluster, zookeeper, cluster_root):
 
 def test_assign_unassign_and_their_refusals(cluster):
     assert ok("cluster", "assign", "-s", C, "-p", "0-2,5", *cluster) == "assigned partitions 0-2,5 to %s\n" % C
-    assert "bad partition list '0-7': partition 7 does not exist (the cluster has 6)" in refused(
+    assert "waltz: error: partition 7 does not exist (the cluster has 6)" == refused(
         "cluster", "assign", "-s", A, "-p", "0-7", *cluster)
-    assert "bad partition list 'x'" in refused("cluster", "assign", "-s", A, "-p", "x", *cluster)
+    # A malformed list is an argument error (status 2, as argparse's own), found before ZooKeeper is asked.
+    assert "argument --partitions/-p: bad partition list 'x': 'x' is not a partition id or a range like 0-3" in refused(
+        "cluster", "assign", "-s", A, "-p", "x", *cluster, code=2)
+    assert "bad partition list '1,,2': '1,,2' has an empty item" in refused(
+        "cluster", "assign", "-s", A, "-p", "1,,2", *cluster, code=2)
+    assert ("bad partition list '0-99999999': 99999999 is not a partition id (a cluster has at most 10000 "
+            "partitions)") in refused("cluster", "assign", "-s", A, "-p", "0-99999999", *cluster, code=2)
     assert "unknown storage node 10.9.9.9:1" in refused("cluster", "assign", "-s", "10.9.9.9:1", "-p", "0", *cluster)
     # C is group 1's only replica of partition 5.
     assert refused("cluster", "unassign", "-s", C, "-p", "5", *cluster) == (

@@ -59,6 +59,14 @@ def test_up_status_up_again_and_down(dev):
     replicas = re.findall(r"^  127\.0\.0\.1:\d+  0: -1, 1: -1, 2: -1, 3: -1$", status.stdout, re.M)
     assert len(replicas) == 3, status.stdout
 
+    # Another cluster root in the same ZooKeeper: its partitions (served by nobody) do not take the marks the
+    # run directory's servers report for the partitions of the same numbers in theirs.
+    other = ["--zookeeper", "127.0.0.1:%s" % dev[3], "--root", "/other"]
+    assert waltz("cluster", "create", *other, "--name", "other", "--partitions", "2").returncode == 0
+    status = waltz("dev", "status", *dev, "--root", "/other", timeout=120)
+    assert re.findall(r"^  (\d): server unassigned \(id -\), generation -, high-water mark \?$",
+                      status.stdout, re.M) == ["0", "1"], status.stdout
+
     run_dir = dev[1]
     cluster = DevCluster(run_dir)
     # A hung storage node is asked once, not once per partition (3 s each: minutes on a large cluster).
@@ -101,10 +109,15 @@ def test_up_with_tls_makes_every_port_speak_mutual_tls_and_writes_the_files_to_c
     status = waltz("dev", "status", *dev, timeout=120)
     assert status.returncode == 0, status.stderr
     assert len(re.findall(r"^  127\.0\.0\.1:\d+  0: -1, 1: -1, 2: -1, 3: -1$", status.stdout, re.M)) == 3, status.stdout
-    # Without the certificates, a tool gets no answer from an admin port.
+    # Without the certificates, a tool gets no answer from an admin port or a server, and is told why it
+    # likely is.
     connection = ["--zookeeper", "127.0.0.1:%s" % dev[3], "--root", "/waltz_cluster"]
     plain = waltz("storage", "list", *connection, "--timeout", "3", timeout=60)
     assert "reachable; assigned" not in plain.stdout, plain.stdout
+    hint = "the peer closed it before sending its Hello: not a Waltz port, or one that speaks TLS"
+    assert plain.stdout.count(hint) == 3, plain.stdout
+    plain = waltz("server", "list", *connection, "--timeout", "3", timeout=60)
+    assert plain.stdout.count(hint) == 2, plain.stdout
 
     # The run directory keeps TLS: a later up without --tls neither restarts nor changes anything.
     again = waltz("dev", "up", *dev, timeout=120)

@@ -254,6 +254,13 @@ def test_unknown_storage_node_and_bad_arguments_are_one_line_errors(add_node, cl
         "'waltz cluster add-storage'" % (cluster_root, a.storage))
     assert "partition 4 does not exist (the cluster has 4)" in refused(
         "storage", "add-partition", "-s", a.storage, "-p", "2-4", *cluster)
+    # One partition id is called that, not a "partition list" (it was), and a malformed one is status 2.
+    assert refused("storage", "max-transaction-id", "-s", a.storage, "-p", "9", *cluster) == (
+        "waltz: error: partition 9 does not exist (the cluster has 4)")
+    assert "argument --partition/-p: expected a partition id (0 or more), got '0-1'" in refused(
+        "storage", "max-transaction-id", "-s", a.storage, "-p", "0-1", *cluster, code=2)
+    assert "bad partition list '3-1': '3-1' is not a partition id or an increasing range" in refused(
+        "storage", "add-partition", "-s", a.storage, "-p", "3-1", *cluster, code=2)
     assert "expected HOST:PORT" in refused("storage", "max-transaction-id", "-s", "nowhere", "-p", "0", *cluster)
     assert "one of the arguments --online --offline" in refused(
         "storage", "availability", "-s", a.storage, "-p", "0", *cluster, code=2)

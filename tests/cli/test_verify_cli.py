@@ -24,3 +24,15 @@ def test_verify_passes_on_a_healthy_cluster_and_names_every_problem(dev_cluster)
     assert len(re.findall(r"^PROBLEM: partition \d: 1 of 3 replicas healthy, below the quorum of 2$",
                           broken.stdout, re.M)) == 4, broken.stdout
     assert broken.stdout.count("does not answer") == 8
+
+
+@pytest.mark.timeout(60)
+def test_verify_names_partitions_without_replicas_instead_of_counting_zero_of_zero(zookeeper, cluster_root):
+    conn = ["--zookeeper", zookeeper.connect_string, "--root", cluster_root]
+    assert waltz("cluster", "create", "--name", "bare", "--partitions", "2", *conn).returncode == 0
+    bare = waltz("cluster", "verify", *conn, "--timeout", "3")
+    assert bare.returncode == 1, bare.stdout + bare.stderr
+    assert re.findall(r"^partition (\d): no server; no replicas assigned$", bare.stdout, re.M) == ["0", "1"]
+    assert re.findall(r"^PROBLEM: partition (\d) has no replica in <root>/store/assignment \(give it some with "
+                      r"'waltz cluster assign' or 'waltz cluster auto-assign'\)$", bare.stdout, re.M) == ["0", "1"]
+    assert "0/0" not in bare.stdout

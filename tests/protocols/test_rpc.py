@@ -3,8 +3,12 @@
 import uuid
 
 import pytest
+from twisted.internet.error import ConnectionDone, ConnectionLost
+from twisted.internet.interfaces import INegotiated
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from waltz.protocols import storage_messages as sm
 from waltz.protocols.base import Liveness
@@ -99,3 +103,41 @@ def test_without_a_request_timeout_ticks_keep_no_record():
     ask(proto)
     proto.clock.pump([10] * 100)
     assert not transport.disconnecting and len(proto._ticks) == 0
+
+
+def connection_closed_before_its_hello(transport, reason, closed_here=False):
+    """A storage client connection on ``transport`` whose peer sent nothing, gone with ``reason``; the
+    failure its open request got."""
+    proto = StorageClientProtocol()
+    proto.open_request = sm.OpenRequest.create(KEY, 4)
+    proto.makeConnection(transport)
+    failures = []
+    proto.opened.addErrback(failures.append)
+    if closed_here:
+        proto.close("this side's reason", abort=True)
+    proto.connectionLost(Failure(reason))
+    return failures[0].value
+
+
+@implementer(INegotiated)
+class NegotiatedTransport(StringTransport):
+    """A transport that, as Twisted's TLS transport, provides INegotiated."""
+    negotiatedProtocol = None
+
+
+def test_a_plain_connection_the_peer_closes_before_its_hello_is_said_to_be_likely_a_tls_port():
+    # It said only "Connection was closed cleanly.": the usual cause, a tool without the ssl.* keys against
+    # a port that speaks TLS, was left to guess.
+    for reason in (ConnectionDone(), ConnectionLost()):
+        message = str(connection_closed_before_its_hello(StringTransport(), reason))
+        assert "the peer closed it before sending its Hello: not a Waltz port, or one that speaks TLS" in message
+    # Not when the connection speaks TLS, closed after the Hello, or was closed by this side.
+    tls = str(connection_closed_before_its_hello(NegotiatedTransport(), ConnectionDone()))
+    assert tls.endswith("closed: Connection was closed cleanly.")
+    ours = str(connection_closed_before_its_hello(StringTransport(), ConnectionDone(), closed_here=True))
+    assert "TLS" not in ours
+    proto, _ = opened_connection()
+    failures = []
+    ask(proto).addErrback(failures.append)
+    proto.connectionLost(Failure(ConnectionDone()))
+    assert str(failures[0].value).endswith("closed: Connection was closed cleanly.")

@@ -14,7 +14,7 @@ from twisted.internet import defer, task
 
 from waltz.cli.cluster import (TLS_PREFIX, add_connection_options, connection_config, quiet_kazoo, run_reactor,
                                within)
-from waltz.cli.common import CliError, parse_partition_list, positive_int, positive_seconds
+from waltz.cli.common import CliError, existing_partitions, partition_list, positive_int, positive_seconds
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks
 from waltz.client.config import TLS_PREFIX as CLIENT_TLS_PREFIX
 from waltz.config import expiration_ms
@@ -69,12 +69,12 @@ def all_of(deferreds):
 @defer.inlineCallbacks
 def ask_high_water_marks(reactor, config, timeout, partitions=None):
     """Fires with ``(number of partitions, {partition: high-water mark})`` as a temporary client that mounts
-    nothing sees them, of the partitions of the list ``partitions`` (default all). Every wait is bounded by
+    nothing sees them, of the partition ids ``partitions`` (default all). Every wait is bounded by
     ``timeout`` seconds; a partition whose server does not answer in time is named in the error."""
     client = WaltzClient(_Nothing(), client_config(config, **{"client.autoMount": False}), reactor)
     try:
         yield joined(client, timeout, reactor)
-        ids = parse_partition_list(partitions, client.num_partitions) if partitions is not None else None
+        ids = existing_partitions(partitions, client.num_partitions) if partitions is not None else None
         marks = yield client.high_water_marks(ids, timeout=timeout)
     finally:
         yield client.close()
@@ -183,7 +183,7 @@ def register(subparsers):
     commands.required = True
     sub = commands.add_parser("high-water-mark", help="high-water marks of partitions")
     add_connection_options(sub)
-    sub.add_argument("--partitions", help="partition list such as 0-3,7 (default all)")
+    sub.add_argument("--partitions", type=partition_list, metavar="LIST", help="partition list such as 0-3,7 (default all)")
     sub.add_argument("--timeout", type=positive_seconds, default=15.0,
                      help="seconds to wait for each answer (default 15)")
     sub.set_defaults(func=high_water_mark)

@@ -21,7 +21,8 @@ from twisted.logger import globalLogBeginner, textFileLogObserver
 from twisted.python.failure import Failure
 
 from waltz.cli.common import (CliError, connect_string, debugging, milliseconds, non_negative_int,
-                              parse_partition_list, partition_count, port, positive_seconds, znode_path)
+                              existing_partitions, partition_count, partition_list, port, positive_seconds,
+                              znode_path)
 from waltz.config import ZOOKEEPER_KEYS, ConfigError, build_config, flatten, read_yaml
 from waltz.tls import CONNECTS, load_tls, tls_keys
 from waltz.zk.bridge import ZooKeeperClient
@@ -217,7 +218,7 @@ def _topology_edit(describe_change, edit):
 
 
 def _partitions(args, store):
-    return parse_partition_list(args.partitions, store.num_partitions)
+    return existing_partitions(args.partitions, store.num_partitions)
 
 
 _add_storage = _topology_edit(
@@ -227,10 +228,10 @@ _remove_storage = _topology_edit(
     lambda a: "removed storage node %s" % a.storage,
     lambda t, s, a: t.remove_storage(a.storage))
 _assign = _topology_edit(
-    lambda a: "assigned partitions %s to %s" % (a.partitions, a.storage),
+    lambda a: "assigned partitions %s to %s" % (format_ids(a.partitions), a.storage),
     lambda t, s, a: t.assign(a.storage, _partitions(a, s), s.num_partitions))
 _unassign = _topology_edit(
-    lambda a: "unassigned partitions %s from %s" % (a.partitions, a.storage),
+    lambda a: "unassigned partitions %s from %s" % (format_ids(a.partitions), a.storage),
     lambda t, s, a: t.unassign(a.storage, _partitions(a, s)))
 _auto_assign = _topology_edit(
     lambda a: "assigned every partition to group %d, round-robin" % a.group,
@@ -307,7 +308,7 @@ def cluster_name(text):
 
 
 _STORAGE = (("--storage", "-s"), dict(metavar="HOST:PORT", help="the storage node's connect string"))
-_PARTITIONS = (("--partitions", "-p"), dict(metavar="LIST", help="partition ids, e.g. 0-3,7"))
+_PARTITIONS = (("--partitions", "-p"), dict(type=partition_list, metavar="LIST", help="partition ids, e.g. 0-3,7"))
 _GROUP = (("--group", "-g"), dict(type=non_negative_int, metavar="G", help="storage group id"))
 
 SUBCOMMANDS = (

@@ -12,6 +12,7 @@ from waltz import config
 from waltz.config import ConfigError
 from waltz.local.daemons import DaemonError
 from waltz.local.zookeeper import ZooKeeperLaunchError
+from waltz.partition_list import PartitionListError, check_partitions_exist, parse_partition_list
 from waltz.zk.errors import ZooKeeperLayerError
 from waltz.zk.metadata import MAX_PARTITIONS
 
@@ -119,27 +120,24 @@ def error_message(exc):
 # --- partition lists ----------------------------------------------------------------------------
 
 
-def parse_partition_list(text, num_partitions=None):
-    """Parse a partition list such as ``0-3,7`` into a sorted tuple of ids.
+def partition_list(text):
+    """An argparse type: a partition list such as ``0-3,7`` (:func:`waltz.partition_list.parse_partition_list`),
+    as a sorted tuple of ids. Whether they exist is :func:`existing_partitions`' question, once connected."""
+    try:
+        return parse_partition_list(text)
+    except PartitionListError as exc:
+        raise argparse.ArgumentTypeError("bad partition list %r: %s" % (text, exc)) from None
 
-    Raises :class:`CliError` naming the bad item; with ``num_partitions`` every id
-    must be below it.
-    """
-    ids = set()
-    for item in str(text).split(","):
-        item = item.strip()
-        if not item:
-            raise CliError("bad partition list %r: empty item" % text)
-        low, sep, high = item.partition("-")
-        try:
-            first = int(low)
-            last = int(high) if sep else first
-        except ValueError:
-            raise CliError("bad partition list %r: %r is not a number or a range like 0-3" % (text, item)) from None
-        if first < 0 or last < first:
-            raise CliError("bad partition list %r: bad range %r" % (text, item))
-        if num_partitions is not None and last >= num_partitions:
-            raise CliError("bad partition list %r: partition %d does not exist (the cluster has %d)"
-                           % (text, last, num_partitions))
-        ids.update(range(first, last + 1))
-    return tuple(sorted(ids))
+
+#: An argparse type: one partition id.
+partition_id = argument_type(config.non_negative_int, "a partition id (0 or more)")
+
+
+def existing_partitions(ids, num_partitions):
+    """``ids`` (one id or a tuple of them) when a cluster of ``num_partitions`` partitions has them all;
+    otherwise :class:`CliError` naming the highest."""
+    try:
+        check_partitions_exist((ids,) if isinstance(ids, int) else ids, num_partitions)
+    except PartitionListError as exc:
+        raise CliError(str(exc)) from None
+    return ids

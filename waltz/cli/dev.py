@@ -102,7 +102,8 @@ def cluster_status(reactor, cluster):
         where = descriptors[server_id].endpoint if server_id in descriptors else "unassigned"
         lines.append("  %d: server %s (id %s), generation %s, high-water mark %s"
                      % (pid, where, server_id if server_id is not None else "-",
-                        generation if generation is not None else "-", high_water_marks.get(pid, "?")))
+                        generation if generation is not None else "-",
+                        high_water_marks.get(where, {}).get(pid, "?")))
     lines.append("replicas (max transaction id):")
     for storage, admin_port in sorted(topology.connections.entries):
         client = StorageNodeClient(reactor, storage, admin_port, params, timeout=3, tls=cluster.tls)
@@ -123,11 +124,13 @@ def cluster_status(reactor, cluster):
 
 
 def _server_high_water_marks(cluster):
-    """Partition -> high-water mark, as the running servers report in their metrics."""
-    found = {}
-    for marks in cluster.served_partitions().values():
-        found.update(marks)
-    return found
+    """``{endpoint: {partition: high-water mark}}`` as the run directory's running servers report in their
+    metrics. Keyed by the endpoint they serve clients on, so that a partition takes the mark of the server
+    the assignment gives it to: the run directory's servers may serve another cluster root than the one
+    asked about (``--root``), whose partitions have the same numbers."""
+    daemons = dict(cluster.daemons())
+    return {"%s:%s" % (daemons[name].config.get("server.host"), daemons[name].config.get("server.port")): marks
+            for name, marks in cluster.served_partitions().items()}
 
 
 def register(subparsers):

@@ -16,7 +16,7 @@ from twisted.internet import defer, task
 
 from waltz.cli.client import all_of, ask_high_water_marks, client_config, joined
 from waltz.cli.cluster import add_connection_options, connection_config, quiet_kazoo, run_reactor, within
-from waltz.cli.common import CliError, non_negative_int, positive_int, positive_seconds
+from waltz.cli.common import CliError, non_negative_int, partition_list, positive_int, positive_seconds
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks
 from waltz.gc_tuning import tune_garbage_collector
 from waltz.protocols.framing import MAX_TRANSACTION_DATA_SIZE
@@ -222,7 +222,7 @@ def register(subparsers):
     sub.set_defaults(func=producers)
     sub = commands.add_parser("consumers", help="read the log with its data and measure throughput")
     add_connection_options(sub)
-    sub.add_argument("--partitions", help="partition list such as 0-3 (default all)")
+    sub.add_argument("--partitions", type=partition_list, metavar="LIST", help="partition list such as 0-3 (default all)")
     sub.add_argument("--timeout", type=positive_seconds, default=600.0,
                      help="give up on any step after this many seconds (default 600)")
     sub.set_defaults(func=consumers)

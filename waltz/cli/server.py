@@ -11,6 +11,7 @@ from waltz.cli.cluster import add_connection_options, run_with_cluster
 from waltz.cli.common import positive_seconds
 from waltz.protocols import client_messages as m
 from waltz.protocols.base import WaltzProtocol
+from waltz.protocols.rpc import ConnectionClosed
 from waltz.protocols.values import ReqId
 from waltz.tls import client_endpoint
 
@@ -36,7 +37,7 @@ class _HealthQuery(WaltzProtocol):
 
     def connectionClosed(self, reason):
         if not self.answer.called:
-            self.answer.errback(reason)
+            self.answer.errback(ConnectionClosed(self.describe_close(reason)))
 
 
 def partition_health(reactor, host, port, timeout, tls=None):

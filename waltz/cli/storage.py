@@ -14,7 +14,7 @@ from twisted.internet import defer
 from twisted.internet.error import ConnectError
 
 from waltz.cli.cluster import add_connection_options, run_with_cluster
-from waltz.cli.common import CliError, parse_partition_list, positive_seconds
+from waltz.cli.common import CliError, existing_partitions, partition_id, partition_list, positive_seconds
 from waltz.protocols import admin_messages as am
 from waltz.protocols import storage_messages as sm
 from waltz.protocols.rpc import (AdminClientProtocol, ConnectionClosed, RemoteError, RequestClientFactory,
@@ -180,16 +180,9 @@ class StoreView:
                            "'waltz cluster add-storage'" % (storage, self.root, ", ".join(self.storages()) or "none"))
         return StorageNodeClient(self.reactor, storage, admin_port, self.store, self.timeout, self.tls)
 
-    def partitions(self, text):
-        """The partition ids of a ``--partitions`` list, checked against the cluster's partition count."""
-        return parse_partition_list(text, self.store.num_partitions)
-
-    def partition(self, text):
-        """One partition id, checked against the cluster's partition count."""
-        ids = self.partitions(text)
-        if len(ids) != 1:
-            raise CliError("expected one partition id, got %r" % (text,))
-        return ids[0]
+    def existing(self, ids):
+        """``ids`` (one partition id or a tuple of them), checked against the cluster's partition count."""
+        return existing_partitions(ids, self.store.num_partitions)
 
     def assigned_in_zookeeper(self, storage):
         """The partitions <root>/store/assignment gives ``storage``, sorted."""
@@ -278,14 +271,14 @@ def _list(view, args):
 
 @defer.inlineCallbacks
 def _add_partition(view, args):
-    ids = view.partitions(args.partitions)
+    ids = view.existing(args.partitions)
     yield using(view.client(args.storage), lambda client: client.assign(ids, True))
     print("assigned partitions %s on storage node %s" % (format_ids(ids), args.storage))
 
 
 @defer.inlineCallbacks
 def _remove_partition(view, args):
-    ids = view.partitions(args.partitions)
+    ids = view.existing(args.partitions)
     if args.delete_files and not args.force:
         yield _refuse_deleting_needed(view, args.storage, ids)
     yield using(view.client(args.storage), lambda client: client.assign(ids, False, args.delete_files))
@@ -314,7 +307,7 @@ def _refuse_deleting_needed(view, storage, ids):
 
 @defer.inlineCallbacks
 def _availability(view, args):
-    ids = view.partitions(args.partitions)
+    ids = view.existing(args.partitions)
     yield using(view.client(args.storage), lambda client: client.set_available(ids, args.online))
     print("partitions %s on storage node %s are now %s" % (
         format_ids(ids), args.storage, "online" if args.online else "offline"))
@@ -322,7 +315,7 @@ def _availability(view, args):
 
 @defer.inlineCallbacks
 def _max_transaction_id(view, args):
-    pid = view.partition(args.partition)
+    pid = view.existing(args.partition)
     txn_id = yield using(view.client(args.storage), lambda client: client.max_transaction_id(pid, args.offline))
     print(txn_id)
 
@@ -354,7 +347,8 @@ def _storage_option(parser, required=True):
 
 def _partitions_options(parser):
     _storage_option(parser)
-    parser.add_argument("--partitions", "-p", metavar="LIST", required=True, help="partition ids, e.g. 0-3,7")
+    parser.add_argument("--partitions", "-p", type=partition_list, metavar="LIST", required=True,
+                        help="partition ids, e.g. 0-3,7")
 
 
 def _remove_partition_options(parser):
@@ -378,7 +372,7 @@ def _availability_options(parser):
 
 def _max_transaction_id_options(parser):
     _storage_option(parser)
-    parser.add_argument("--partition", "-p", metavar="P", required=True, help="the partition id")
+    parser.add_argument("--partition", "-p", type=partition_id, metavar="P", required=True, help="the partition id")
     parser.add_argument("--offline", "-o", action="store_true",
                         help="ask with an offline recovery request (for a partition marked offline)")
 

@@ -78,6 +78,10 @@ def _check_partition(pid, owner, descriptors, server_health, topology, storage_s
             problems.append("partition %d: server %d reports it %s" % (pid, server_id,
                                                                       "unhealthy" if pid in health else "missing"))
     replicas = topology.assignments.replicas_of(pid)
+    if not replicas:
+        problems.append("partition %d has no replica in <root>/store/assignment (give it some with "
+                        "'waltz cluster assign' or 'waltz cluster auto-assign')" % pid)
+        return "partition %d: %s; no replicas assigned" % (pid, where)
     healthy = [s for s in replicas if storage_status.get(s) and storage_status[s].get(pid)]
     for storage in replicas:
         held = storage_status.get(storage)
@@ -88,7 +92,7 @@ def _check_partition(pid, owner, descriptors, server_health, topology, storage_s
                             % (pid, storage))
         elif not held[pid]:
             problems.append("partition %d: offline on storage node %s" % (pid, storage))
-    quorum = quorum_of(len(replicas)) if replicas else 1
+    quorum = quorum_of(len(replicas))
     if len(healthy) < quorum:
         problems.append("partition %d: %d of %d replicas healthy, below the quorum of %d"
                         % (pid, len(healthy), len(replicas), quorum))

@@ -308,8 +308,7 @@ class ManagedConnection:
         if not self._current(protocol) or self.state is ConnectionState.BACKING_OFF:
             return
         was_ready = self.state is ConnectionState.READY
-        log.info("{conn}: connection lost: {reason}", conn=self,
-                 reason=reason.getErrorMessage() if reason is not None else "closed")
+        log.info("{conn}: connection lost: {reason}", conn=self, reason=protocol.describe_close(reason))
         if was_ready and self._reactor.seconds() - self._ready_since >= self._backoff.maximum:
             # It served a while: reconnect at once. One closed soon after its Hello (a server that takes
             # every connection and drops it) goes on backing off instead of reconnecting in a tight loop.

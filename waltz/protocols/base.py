@@ -35,7 +35,7 @@ Subclasses implement :meth:`messageReceived` and may override
 """
 
 import attr
-from twisted.internet import abstract, defer, interfaces
+from twisted.internet import abstract, defer, error, interfaces
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -127,6 +127,9 @@ class WaltzProtocol(Protocol):
 
     version = None
     closed = False
+    #: Set when the connection is gone: True when the peer (or the network) ended it, False when this side
+    #: closed it (:meth:`close`).
+    closed_by_peer = None
 
     def __init__(self):
         self._buffer = bytearray()
@@ -171,6 +174,7 @@ class WaltzProtocol(Protocol):
                           peer=self.peer, error=exc)
 
     def connectionLost(self, reason):
+        self.closed_by_peer = not self.closed
         self.closed = True
         self._stop_liveness()
         if self._abort_call is not None and self._abort_call.active():
@@ -178,6 +182,19 @@ class WaltzProtocol(Protocol):
         self._abort_call = None
         self._outbox = []
         self.connectionClosed(reason)
+
+    def describe_close(self, reason) -> str:
+        """What ended the connection, in words for an error or a log line: ``reason``'s message (a Failure,
+        as :meth:`connectionClosed` gets it), and the likely cause when the peer closed a plain connection
+        without sending its Hello. Every Waltz port sends its Hello first, so such a peer is not a Waltz
+        port, or one that speaks TLS (which closes a connection whose first bytes are not a TLS handshake,
+        without a word)."""
+        if (self.version is None and self.closed_by_peer and reason is not None
+                and reason.check(error.ConnectionDone, error.ConnectionLost)
+                and not interfaces.INegotiated.providedBy(self.transport)):
+            return ("the peer closed it before sending its Hello: not a Waltz port, or one that speaks TLS "
+                    "(this side connected without it; see docs/operations.md, \"TLS\")")
+        return reason.getErrorMessage() if reason is not None else "closed"
 
     @property
     def ready(self) -> bool:

@@ -132,8 +132,7 @@ class RequestClientProtocol(WaltzProtocol):
             d.callback(message)
 
     def connectionClosed(self, reason):
-        error = ConnectionClosed("connection to %s closed: %s" % (
-            self.peer, reason.getErrorMessage() if reason is not None else "closed"))
+        error = ConnectionClosed("connection to %s closed: %s" % (self.peer, self.describe_close(reason)))
         pending, self._pending = self._pending, {}
         waiting, self._waiting_for_open = self._waiting_for_open, []
         for d in list(pending.values()) + [d for _, d in waiting]:

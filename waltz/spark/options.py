@@ -20,7 +20,7 @@ import attr
 
 from waltz.client.config import CLIENT_KEYS, client_config
 from waltz.config import ConfigError
-from waltz.zk.metadata import MAX_PARTITIONS
+from waltz.partition_list import PartitionListError, parse_partition_list
 
 #: The ``-2`` / ``-1`` of Kafka's offset specs.
 EARLIEST = -2
@@ -170,21 +170,10 @@ def _optional(values, key, parse, default=None):
 
 def parse_partitions(text):
     """``"0-3,7"`` -> ``(0, 1, 2, 3, 7)`` (sorted, without repeats)."""
-    ids = set()
-    for item in text.split(","):
-        item = item.strip()
-        first, dash, last = item.partition("-")
-        try:
-            low, high = int(first), int(last) if dash else int(first)
-        except ValueError:
-            raise OptionError("partitions", "%r is not a partition list such as 0-3,7" % text) from None
-        if low < 0 or high < low:
-            raise OptionError("partitions", "%r: %r is not a partition id or an increasing range" % (text, item))
-        if high >= MAX_PARTITIONS:
-            raise OptionError("partitions", "%r: %d is not a partition id (a cluster has at most %d partitions)"
-                              % (text, high, MAX_PARTITIONS))
-        ids.update(range(low, high + 1))
-    return tuple(sorted(ids))
+    try:
+        return parse_partition_list(text)
+    except PartitionListError as exc:
+        raise OptionError("partitions", "%r: %s" % (text, exc)) from None
 
 
 def parse_id_spec(name, text, allow_earliest=True):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pyspark.sql.datasource import InputPartition
 
+from waltz.partition_list import PartitionListError, check_partitions_exist
 from waltz.spark.options import EARLIEST, LATEST, OptionError
 
 
@@ -33,10 +34,10 @@ def selected_partitions(options, num_partitions):
     """The partition ids the ``partitions`` option selects (all by default); checks they exist."""
     if options.partitions is None:
         return tuple(range(num_partitions))
-    missing = [pid for pid in options.partitions if pid >= num_partitions]
-    if missing:
-        raise OptionError("partitions", "partition %d does not exist (the cluster has %d partitions: 0-%d)"
-                          % (missing[0], num_partitions, num_partitions - 1))
+    try:
+        check_partitions_exist(options.partitions, num_partitions)
+    except PartitionListError as exc:
+        raise OptionError("partitions", str(exc)) from None
     return options.partitions
 
 
