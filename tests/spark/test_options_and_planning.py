@@ -42,6 +42,7 @@ def test_defaults_and_case_insensitive_keys():
     ({"startingTransactionIds": ""}, "startingTransactionIds"),
     ({"startingTransactionIds": '{"0": 5, "00": 7}'}, "startingTransactionIds"),   # one partition twice
     ({"partitions": "0-20000000"}, "partitions"),    # beyond any cluster: built 20 million ids first
+    ({"client.autoMount": "true"}, "client.autoMount"),     # taken, then overridden without a word
 ])
 def test_bad_options_name_the_option(extra, option):
     with pytest.raises(OptionError, match="option '%s'" % option):

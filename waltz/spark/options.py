@@ -132,6 +132,10 @@ def _check_known(values):
                           "partitions, startingTransactionIds, endingTransactionIds, headers, includeData, "
                           "includeRequestId, maxTransactionsPerSplit, timeout, and client.* / zookeeper.* "
                           "client config keys)")
+    if "client.automount" in values:
+        # Taken and then overridden, silently: the data source's clients read ranges, they never mount.
+        raise OptionError("client.autoMount", "is set by the data source (its clients read ranges and never mount "
+                          "a partition); leave it out")
 
 
 def _connect_string(values):
