@@ -183,7 +183,8 @@ def register(subparsers):
     commands.required = True
     sub = commands.add_parser("high-water-mark", help="high-water marks of partitions")
     add_connection_options(sub)
-    sub.add_argument("--partitions", type=partition_list, metavar="LIST", help="partition list such as 0-3,7 (default all)")
+    sub.add_argument("--partitions", type=partition_list, metavar="LIST",
+                     help="partition list such as 0-3,7 (default all)")
     sub.add_argument("--timeout", type=positive_seconds, default=15.0,
                      help="seconds to wait for each answer (default 15)")
     sub.set_defaults(func=high_water_mark)

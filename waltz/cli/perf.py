@@ -222,7 +222,8 @@ def register(subparsers):
     sub.set_defaults(func=producers)
     sub = commands.add_parser("consumers", help="read the log with its data and measure throughput")
     add_connection_options(sub)
-    sub.add_argument("--partitions", type=partition_list, metavar="LIST", help="partition list such as 0-3 (default all)")
+    sub.add_argument("--partitions", type=partition_list, metavar="LIST",
+                     help="partition list such as 0-3 (default all)")
     sub.add_argument("--timeout", type=positive_seconds, default=600.0,
                      help="give up on any step after this many seconds (default 600)")
     sub.set_defaults(func=consumers)
