@@ -11,9 +11,12 @@ never skip, when it is not installed.
 
 * Timeouts: every ``async def`` test is also bounded on the reactor (pytest-timeout's
   alarm cannot stop a test the reactor is running).
+
+* Unhandled errors in Deferreds: a test during which one is logged fails.
 """
 
 import functools
+import gc
 import inspect
 import os
 import re
@@ -23,6 +26,7 @@ import uuid
 import pytest
 import pytest_twisted
 from twisted.internet import defer
+from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
 
 from waltz.local.zookeeper import LocalZooKeeper
@@ -133,6 +137,40 @@ def _test_timed_out(result, seconds):
     gave up) keeps its own traceback instead of being reported as the whole test running out."""
     if isinstance(result, Failure) and result.check(defer.CancelledError):
         raise TimeoutError("the test did not finish within %.0f s (cancelled on the reactor)" % seconds)
+    return result
+
+
+# --- Unhandled errors in Deferreds ---------------------------------------------------------------
+
+#: The failures Twisted logged as "Unhandled error in Deferred" since the last check.
+_unhandled_failures = []
+
+
+def _record_unhandled_failure(event):
+    if event.get("log_namespace") == "twisted.internet.defer" and event.get("log_failure") is not None:
+        _unhandled_failures.append(event["log_failure"])
+
+
+globalLogPublisher.addObserver(_record_unhandled_failure)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Fail the test during which a Deferred failed with nobody to handle it: the error would otherwise only
+    be logged, and a lost failure is a bug (an error nobody hears of, or a test that checks less than it
+    says). Twisted logs it when the Deferred is freed: at once when nothing else holds it, or at a garbage
+    collection when it sits in a reference cycle, so the collector is run after each test module's last test
+    (after every test would cost about a minute of the whole run)."""
+    result = yield
+    if nextitem is None or nextitem.module is not item.module:
+        gc.collect()
+    if _unhandled_failures:
+        failures = list(_unhandled_failures)
+        _unhandled_failures.clear()
+        raise AssertionError("unhandled error(s) in Deferred logged during this test%s: %s" % (
+            "" if nextitem is not None and nextitem.module is item.module else
+            " (or, freed only by the garbage collector, during an earlier test of its module)",
+            "; ".join("%s: %s" % (f.type.__name__, f.getErrorMessage()) for f in failures)))
     return result
 
 
