@@ -49,6 +49,16 @@ def cpu_seconds(pid):
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
+def machine_cpu_seconds():
+    """``(user, system)`` CPU seconds of the whole machine (every process, all cores), from /proc/stat: user
+    and nice, and system with interrupts. Idle, I/O wait and steal are left out."""
+    with open("/proc/stat", encoding="ascii") as stream:
+        fields = stream.readline().split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in fields[:7])
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice) / tick, (system + irq + softirq) / tick
+
+
 def run_processes(own_name, cluster, *named):
     """``{name: pid}`` of this process (as ``own_name``), of the ``(name, pid)`` pairs ``named`` and of the
     cluster's storage daemons: the processes whose CPU a benchmark reports."""
@@ -59,8 +69,8 @@ def run_processes(own_name, cluster, *named):
 
 
 def cpu_snapshot(processes):
-    """CPU seconds so far of each named process (``{name: pid}``)."""
-    return {name: cpu_seconds(pid) for name, pid in processes.items()}
+    """CPU seconds so far of each named process (``{name: pid}``; a pid of None: the whole machine)."""
+    return {name: cpu_seconds(pid) if pid is not None else machine_cpu_seconds() for name, pid in processes.items()}
 
 
 def print_cpu(title, first, last, count, what="transaction"):
