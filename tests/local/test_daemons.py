@@ -2,6 +2,7 @@
 
 import http.server
 import os
+import socket
 import threading
 
 import pytest
@@ -36,3 +37,25 @@ def test_a_daemon_whose_http_port_another_process_answers_is_not_started(tmp_pat
     finally:
         other.shutdown()
         other.server_close()
+
+
+def test_a_port_answered_by_something_other_than_http_is_no_answer_to_ping(tmp_path):
+    # A Waltz port on the daemon's HTTP port (two local daemons given the same port) answered with its Hello:
+    # ping raised http.client.BadStatusLine, and the run stopped with "BadStatusLine: H..." instead of the
+    # daemon's own reason ("Address already in use").
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def answer_with_a_hello():
+        connection, _ = listener.accept()
+        connection.recv(1024)
+        connection.sendall(b"H\x00\x00\x00\x00\x00\x17\x00\x00\x00\x01\x00\x00")
+        connection.close()
+    threading.Thread(target=answer_with_a_hello, daemon=True).start()
+    try:
+        daemon = local_storage(str(tmp_path / "storage"), "127.0.0.1:1", "/w",
+                               **{"storage.http.port": listener.getsockname()[1]})
+        assert daemon.ping() is False
+    finally:
+        listener.close()

@@ -7,6 +7,7 @@ ready when its HTTP ``/ping`` answers. Stopping and killing go by the pid this
 object started, never by name.
 """
 
+import http.client
 import os
 import signal
 import subprocess
@@ -112,10 +113,13 @@ class LocalDaemon:
                                                                            log_tail(self.log_path)))
 
     def ping(self):
+        """Whether the daemon's HTTP port answers ``/ping``. Another process on that port, answering something
+        else than HTTP (a Waltz port), is no answer either: the daemon then fails to bind and exits, and
+        :meth:`wait_ready` reports why from its log."""
         try:
             with urllib.request.urlopen("http://127.0.0.1:%d/ping" % self.http_port, timeout=1) as response:
                 return response.status == 200
-        except (OSError, urllib.error.URLError):
+        except (OSError, urllib.error.URLError, http.client.HTTPException):
             return False
 
     def http_get(self, path):

@@ -14,6 +14,7 @@ This module blocks (it waits for processes); it is meant for fixtures, the
 ``waltz zookeeper`` command and benchmark scripts, not for reactor code.
 """
 
+import collections
 import os
 import shutil
 import signal
@@ -43,17 +44,31 @@ def free_port(host="127.0.0.1"):
     return free_ports(1, host)[0]
 
 
+#: Ports :func:`free_ports` handed out lately in this process. Once its socket is closed, the kernel may give a
+#: port to the next ``bind(0)`` again, and two daemons configured before either starts (``LocalCluster`` starts its
+#: storages together) would then share it: one of them fails to bind.
+_handed_out = collections.deque(maxlen=4096)
+
+
 def free_ports(count, host="127.0.0.1"):
-    """``count`` distinct TCP ports nobody listens on at ``host`` right now. Taken together (every socket
-    bound until all are chosen): one at a time, the kernel may hand the same port out twice, and a daemon
-    given it for two of its ports fails to start."""
-    sockets = []
+    """``count`` distinct TCP ports nobody listens on at ``host`` right now, and none this process handed out
+    lately. Taken together (every socket bound until all are chosen): one at a time, the kernel may hand the
+    same port out twice, and a daemon given it for two of its ports fails to start."""
+    sockets, ports = [], []
     try:
-        for _ in range(count):
+        for _ in range(count + len(_handed_out) + 64):
+            if len(ports) == count:
+                break
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(sock)
+            sockets.append(sock)    # a port refused stays bound meanwhile: the next bind gets another
             sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in sockets]
+            port = sock.getsockname()[1]
+            if port not in _handed_out:
+                ports.append(port)
+        if len(ports) < count:
+            raise OSError("no %d free ports at %s" % (count, host))
+        _handed_out.extend(ports)
+        return ports
     finally:
         for sock in sockets:
             sock.close()

@@ -658,7 +658,7 @@ class RecoveryManager:
         try:
             yield self.metadata_store.update(self.partition_id, change)
         except Exception as exc:
-            self.stop("metadata update failed: %s" % exc)
+            self.stop("metadata update failed: %s" % (str(exc) or type(exc).__name__))  # kazoo's are often bare
             return
         if self._complete.called:
             return

@@ -104,6 +104,7 @@ class DummyMetadata:
         self.value = EMPTY_PARTITION_METADATA
         self.writes = 0
         self.failing_updates = 0   # the next updates that fail (a lost ZooKeeper connection)
+        self.update_failure = ConnectionError("ZooKeeper connection lost")
 
     def read(self, partition_id):
         return defer.succeed(self.value)
@@ -111,7 +112,7 @@ class DummyMetadata:
     def update(self, partition_id, change):
         if self.failing_updates:
             self.failing_updates -= 1
-            return defer.fail(ConnectionError("ZooKeeper connection lost"))
+            return defer.fail(self.update_failure)
         self.value = change(self.value)
         self.writes += 1
         return defer.succeed(self.value)
@@ -320,6 +321,17 @@ def test_a_failed_recovery_starts_one_new_session_and_never_replaces_a_live_one(
     for replica in second.replicas_by_name.values():
         replica.ack()
     assert d.result == 0 and partition.high_water_mark == 0
+
+
+def test_a_metadata_update_failing_without_a_message_is_named_by_its_type():
+    # kazoo's ConnectionLoss has no message: the log said "metadata update failed: ; retrying in 0.5 s".
+    from kazoo.exceptions import ConnectionLoss
+    h = Harness(manual=True)
+    h.metadata.failing_updates = 1
+    h.metadata.update_failure = ConnectionLoss()
+    partition = StorePartition(0, 1, h.factory, h.clock, max_batch_size=1, retry_interval=0.5)
+    partition.open()
+    assert "metadata update failed: ConnectionLoss" in h.sessions[0].close_reason
 
 
 def test_a_batch_not_sent_to_a_replica_that_fell_behind_does_not_wait_for_it():
