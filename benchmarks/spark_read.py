@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from twisted.internet import defer, task, threads  # noqa: E402
 
 from common import (  # noqa: E402
-    add_rounds_argument, cpu_snapshot, now, parser, print_cpu, ratio_line, report, round_summary, work_dir)
+    add_rounds_argument, cpu_snapshot, now, parser, print_cpu, ratio_line, report, round_summary, run_processes,
+    work_dir)
 from waltz.client import TransactionContext, WaltzClient, WaltzClientCallbacks  # noqa: E402
 from waltz.local.cluster import LocalCluster  # noqa: E402
 from waltz.local.daemons import local_server  # noqa: E402
@@ -157,10 +158,9 @@ def measure(reactor, args, run_dir):
         load_seconds = yield load(reactor, cluster, args)
         print("loaded %d transactions in %.0f s" % (args.transactions, load_seconds), file=sys.stderr)
         pairs = []
-        # The cluster's processes, whose CPU per row --cpu prints (the readers are other processes: Spark's).
-        pids = {"server": server.pid}
-        pids.update(("storage%d" % i, storage.pid) for i, storage in enumerate(cluster.storages))
-        pids["whole machine"] = None        # the readers too: the limit's process, or Spark's JVM and workers
+        # The processes whose CPU per row --cpu prints: this one (Spark's driver), the cluster's, and the whole
+        # machine, which counts the readers too (the limit's process, or Spark's JVM and Python workers).
+        pids = run_processes("bench process", cluster, ("server", server.pid), ("whole machine", None))
         for _ in range(args.rounds):      # both reads again on the same log: the machine's speed drifts
             before = cpu_snapshot(pids)
             limit = yield threads.deferToThread(client_read, cluster)
@@ -196,7 +196,8 @@ def main(argv=None):
     p.add_argument("--master", default="local[2]")
     p.add_argument("--max-per-split", type=int, default=100_000, help="maxTransactionsPerSplit")
     p.add_argument("--cpu", action="store_true",
-                   help="print the CPU per row read of the server, each storage and the whole machine, for each read")
+                   help="print the CPU per row read of this process, the server, each storage and the whole machine, "
+                        "for each read")
     add_rounds_argument(p)
     args = p.parse_args(argv)
 

@@ -162,14 +162,15 @@ def pytest_runtest_teardown(item, nextitem):
     collection when it sits in a reference cycle, so the collector is run after each test module's last test
     (after every test would cost about a minute of the whole run)."""
     result = yield
-    if nextitem is None or nextitem.module is not item.module:
+    last_of_its_module = nextitem is None or nextitem.module is not item.module
+    if last_of_its_module:
         gc.collect()
     if _unhandled_failures:
         failures = list(_unhandled_failures)
         _unhandled_failures.clear()
         raise AssertionError("unhandled error(s) in Deferred logged during this test%s: %s" % (
-            "" if nextitem is not None and nextitem.module is item.module else
-            " (or, freed only by the garbage collector, during an earlier test of its module)",
+            " (or, freed only by the garbage collector, during an earlier test of its module)"
+            if last_of_its_module else "",
             "; ".join("%s: %s" % (f.type.__name__, f.getErrorMessage()) for f in failures)))
     return result
 
