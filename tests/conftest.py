@@ -91,8 +91,13 @@ async def cluster_metadata(zk_client, cluster_root):
 # --- Debugging ---------------------------------------------------------------------------------
 
 def pytest_configure(config):
-    """With WALTZ_TEST_LOG=FILE, Twisted's log of the test process goes to FILE (for debugging)."""
+    """With WALTZ_TEST_LOG=FILE, Twisted's log of the test process goes to FILE (for debugging). Under
+    pytest-xdist, each worker chooses its daemons' ports from a slice of its own (waltz/local/ports.py)."""
     import os
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker and workers:
+        from waltz.local.ports import SLICE_ENV
+        os.environ[SLICE_ENV] = "%d/%d" % (int(worker.lstrip("gw")), int(workers))
     path = os.environ.get("WALTZ_TEST_LOG")
     if path:
         from twisted.logger import globalLogPublisher, textFileLogObserver

@@ -5,7 +5,7 @@ import pytest
 
 from tests.cli.helpers import ok, waltz
 from waltz.local.daemons import stop_recorded_processes
-from waltz.local.zookeeper import free_port
+from waltz.local.ports import free_port
 
 
 @pytest.fixture

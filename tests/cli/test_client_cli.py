@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.cli.helpers import refused, waltz
-from waltz.local.zookeeper import free_port
+from waltz.local.ports import free_port
 
 APPEND = textwrap.dedent("""
     import sys

@@ -7,7 +7,7 @@ import pytest
 from kazoo.client import KazooClient
 
 from tests.cli.helpers import ok, refused
-from waltz.local.zookeeper import free_port
+from waltz.local.ports import free_port
 from waltz.zk.znodes import ClusterPaths, ReplicaAssignments, ServerDescriptor
 
 A, B, C = "127.0.0.1:55280", "127.0.0.1:55290", "127.0.0.1:55300"

@@ -12,7 +12,7 @@ from twisted.internet import defer, reactor
 from tests.cli.conftest import stop_dev_cluster
 from tests.conftest import zk_client_for
 from tests.cli.helpers import refused, waltz
-from waltz.local.zookeeper import free_port
+from waltz.local.ports import free_port
 from waltz.local.devcluster import DevCluster
 
 

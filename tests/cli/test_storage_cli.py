@@ -16,7 +16,7 @@ from twisted.internet import threads
 from tests.cli.helpers import ok, refused
 from tests.integration.conftest import StorageClients, daemons, start_storage  # noqa: F401 (fixtures)
 from tests.storage.test_storage_node import records
-from waltz.local.zookeeper import free_port
+from waltz.local.ports import free_port
 from waltz.protocols import admin_messages as am
 from waltz.protocols import storage_messages as sm
 from waltz.zk.metadata import ClusterMetadata

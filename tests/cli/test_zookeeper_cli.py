@@ -3,7 +3,8 @@
 import pytest
 
 from tests.cli.helpers import ok, refused, waltz
-from waltz.local.zookeeper import LocalZooKeeper, free_port
+from waltz.local.ports import free_port
+from waltz.local.zookeeper import LocalZooKeeper
 
 
 @pytest.fixture

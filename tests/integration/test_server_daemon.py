@@ -17,7 +17,7 @@ from twisted.internet import endpoints, protocol, reactor, task, threads
 
 from waltz.local.cluster import LocalCluster
 from waltz.local.daemons import local_server
-from waltz.local.zookeeper import port_in_use
+from waltz.local.ports import port_in_use
 from waltz.protocols import client_messages as cm
 from waltz.protocols.base import IDLE_TIMEOUT, KEEPALIVE_INTERVAL
 from tests.protocols.recording import RecordingClient

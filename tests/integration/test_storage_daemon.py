@@ -20,7 +20,7 @@ from twisted.internet import defer, reactor, threads
 from twisted.python.failure import Failure
 
 from tests.storage.test_storage_node import records
-from waltz.local.zookeeper import port_in_use
+from waltz.local.ports import port_in_use
 from waltz.protocols import admin_messages as am
 from waltz.protocols import storage_messages as sm
 from waltz.protocols.rpc import ConnectionClosed, RemoteError

@@ -597,6 +597,22 @@ def test_a_mount_replaced_on_its_connection_by_a_newer_key_before_it_completed_g
     assert conn.of(MountResponse) == [MountResponse(rid(6), MountState.READY)]
 
 
+def test_a_mount_replaced_by_one_on_another_connection_gets_no_answer_when_the_partition_closes():
+    # docs/protocol.md, "Mounts": a superseded mount gets no answer. Closing answered it NOT_READY anyway.
+    h = Harness(records=1)
+    first = DummyConnection("first")
+    h.mount(first, client_hwm=0, seq_num=1)
+    h.handle(first, append(1, client_hwm=0))          # the store holds it: later mounts wait behind it
+    old, new = DummyConnection("old"), DummyConnection("new")
+    h.handle(old, MountRequest(rid(5), 0, 2))          # key (GEN, 2)
+    h.handle(new, MountRequest(rid(6), 0, 3))          # key (GEN, 3): replaces it before it completed
+    h.run()
+    h.partition.close()
+    h.run()
+    assert new.of(MountResponse) == [MountResponse(rid(6), MountState.NOT_READY)]
+    assert old.of(MountResponse) == []
+
+
 def test_a_feed_request_of_an_earlier_mount_does_not_replace_the_mount_catch_up():
     h = Harness(records=5)
     conn = DummyConnection()

@@ -9,7 +9,7 @@ from twisted.internet import defer, reactor
 from twisted.python import threadable
 
 from tests.conftest import zk_client_for
-from waltz.local.zookeeper import free_port
+from waltz.local.ports import free_port
 from waltz.zk.bridge import SessionState, ZooKeeperClient
 from waltz.zk.errors import ZooKeeperConnectError
 

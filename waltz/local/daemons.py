@@ -18,7 +18,7 @@ import urllib.request
 
 import yaml
 
-from waltz.local.zookeeper import free_ports
+from waltz.local.ports import free_ports
 
 
 class DaemonError(Exception):

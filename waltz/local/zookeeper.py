@@ -14,13 +14,14 @@ This module blocks (it waits for processes); it is meant for fixtures, the
 ``waltz zookeeper`` command and benchmark scripts, not for reactor code.
 """
 
-import collections
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import time
+
+from waltz.local.ports import free_port, port_in_use
 
 ZOOKEEPER_JAR = os.environ.get("WALTZ_ZOOKEEPER_JAR", "/usr/share/java/zookeeper.jar")
 #: Optional: gives the server's log output (without a binding slf4j stays silent).
@@ -37,52 +38,6 @@ POLL_INTERVAL = 0.05
 
 class ZooKeeperLaunchError(Exception):
     """ZooKeeper could not be started (or stopped); the message says why and what to do."""
-
-
-def free_port(host="127.0.0.1"):
-    """A TCP port nobody listens on at ``host`` right now."""
-    return free_ports(1, host)[0]
-
-
-#: Ports :func:`free_ports` handed out lately in this process. Once its socket is closed, the kernel may give a
-#: port to the next ``bind(0)`` again, and two daemons configured before either starts (``LocalCluster`` starts its
-#: storages together) would then share it: one of them fails to bind.
-_handed_out = collections.deque(maxlen=4096)
-
-
-def free_ports(count, host="127.0.0.1"):
-    """``count`` distinct TCP ports nobody listens on at ``host`` right now, and none this process handed out
-    lately. Taken together (every socket bound until all are chosen): one at a time, the kernel may hand the
-    same port out twice, and a daemon given it for two of its ports fails to start."""
-    sockets, ports = [], []
-    try:
-        for _ in range(count + 64):     # a refused port is rare: 64 more binds are plenty
-            if len(ports) == count:
-                break
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(sock)    # a port refused stays bound meanwhile: the next bind gets another
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-            if port not in _handed_out:
-                ports.append(port)
-        if len(ports) < count:
-            raise OSError("no %d free ports at %s" % (count, host))
-        _handed_out.extend(ports)
-        return ports
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def port_in_use(host, port):
-    """Whether something listens on ``host:port`` (TIME_WAIT leftovers do not count)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-        return False
 
 
 def four_letter_word(host, port, word=b"ruok", timeout=1.0):

@@ -529,10 +529,14 @@ class ServerPartition:
                            callbackArgs=(connection, request), errbackArgs=(connection, request))
         return None
 
+    def _is_current_mount(self, connection, request) -> bool:
+        """Whether ``request`` on ``connection`` is still its client's current mount (not superseded)."""
+        current = self._mounts.get(request.req_id.client_id)
+        return current is not None and current.connection is connection and current.key == _mount_key(request)
+
     def _mount_flushed(self, high_water_mark, connection, request):
         req_id = request.req_id
-        current = self._mounts.get(req_id.client_id)
-        if current is None or current.connection is not connection or current.key != _mount_key(request):
+        if not self._is_current_mount(connection, request):
             self.log.info("partition {pid}: mount of client {client} superseded while flushing",
                           pid=self.partition_id, client=req_id.client_id)
             return
@@ -549,7 +553,8 @@ class ServerPartition:
 
     def _mount_abandoned(self, failure, connection, request):
         failure.trap(PartitionClosed)
-        self._send_mount_response(connection, request.req_id, MountState.NOT_READY)
+        if self._is_current_mount(connection, request):   # a superseded mount gets no answer, as ever
+            self._send_mount_response(connection, request.req_id, MountState.NOT_READY)
 
     def _send_mount_response(self, connection, req_id, state):
         self.metrics.mounts.inc(1, self.partition_id, state.name)
