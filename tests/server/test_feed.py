@@ -191,6 +191,32 @@ def test_a_single_catch_up_feed_is_served_chunk_after_chunk_to_the_end_of_its_cr
     assert store.header_reads == [] and conn.sent[-1] == FeedSuspended(rid())
 
 
+def test_steady_commits_that_fill_every_turn_with_realtime_items_leave_a_catch_up_its_share():
+    # Three realtime feeds with 60 new items each per turn would take all of a 100-item turn, every turn, and a
+    # mount's catch-up would wait for as long as the commits went on.
+    reactor = StepReactor()
+    cache = FeedCache()
+    store = DummyStore(3000, partition_id=PID)
+    cache.add_all(PID, [r.record_header for r in store.records])
+    feeds = FeedScheduler(PID, cache, store, reactor, realtime_threshold=1000, items_per_turn=100, catch_up_chunk=64)
+    high_water_mark = 1999
+    feeds.advance(high_water_mark)
+    followers = [DummyConnection("follower %d" % n) for n in range(3)]
+    for client, conn in enumerate(followers, 1):
+        feeds.add(FeedContext(rid(client), conn, high_water_mark + 1, 10 ** 6, FeedSuspended(rid(client))))
+    mounting = DummyConnection("mounting")
+    feeds.add(FeedContext(rid(9), mounting, 0, 1500, MountResponse(rid(9), MountState.READY)))
+    for turn in range(10):
+        high_water_mark += 60
+        feeds.advance(high_water_mark)
+        assert len(reactor.calls) == 1
+        reactor.step()                          # one turn, then the next commits
+        caught_up = len(ids(mounting))
+        assert caught_up >= 25 * (turn + 1), "turn %d: the catch-up got %d items" % (turn, caught_up)
+    assert all(feeds.kind_of(feeds.feed_of(conn)) is FeedKind.REALTIME for conn in followers)
+    assert ids(mounting) == list(range(len(ids(mounting))))
+
+
 class SlowStore(DummyStore):
     """Header reads answer one millisecond later, like a storage round trip."""
 

@@ -16,7 +16,10 @@ tasks on the reactor (reference section 6):
 * **realtime** feeds (fewer than ``realtime_threshold`` transactions behind
   the high-water mark) are served first, the furthest behind first; then
   **catch-up** feeds in FIFO order, each at most ``catch_up_chunk`` items
-  per visit before going to the back of the line;
+  per visit before going to the back of the line. While a catch-up feed can
+  send, the realtime feeds' first pass of a turn leaves it a quarter of the
+  turn (``catch_up_share``), so steady commits cannot starve a mount's
+  catch-up; what the catch-up feeds leave goes to a second pass;
 * headers come from the :class:`~waltz.server.caches.FeedCache`; on a miss
   one block-filling read (``store.get_headers``) is made at a time, for the
   first feed in service order that needs it; after an empty or failed read
@@ -88,6 +91,8 @@ class FeedScheduler:
         self.items_per_turn = items_per_turn
         self.catch_up_chunk = catch_up_chunk
         self.retry_interval = retry_interval
+        #: Items of a turn's first pass the realtime feeds leave to the catch-up feeds while one can send.
+        self.catch_up_share = max(1, items_per_turn // 4)
         self._on_sent = on_sent or (lambda count, from_cache: None)
         self.high_water_mark = -1
         self.closed = False
@@ -160,14 +165,22 @@ class FeedScheduler:
         needs_read = None
         read_later = False      # a feed needs a read but waits after a failed one
         progress = True
+        first_pass = True
         while progress and budget > 0:
             progress = False
-            for feed in self._in_service_order():
+            realtime, catch_up = self._in_service_order()
+            # On a turn's first pass, realtime feeds leave a share of it to a catch-up feed that can send:
+            # commits that keep them busy for whole turns would otherwise never let a mount's catch-up through.
+            held = self.catch_up_share if first_pass and any(map(self._sendable, catch_up)) else 0
+            first_pass = False
+            for feed in realtime + catch_up:
                 if budget <= 0:
                     break
                 if not self._sendable(feed):
                     continue
-                limit = budget if self.kind_of(feed) is FeedKind.REALTIME else min(budget, self.catch_up_chunk)
+                limit = budget - held if self.kind_of(feed) is FeedKind.REALTIME else min(budget, self.catch_up_chunk)
+                if limit <= 0:
+                    continue
                 sent, missed = self._send_cached(feed, limit)
                 budget -= sent
                 progress = progress or sent > 0
@@ -190,7 +203,8 @@ class FeedScheduler:
     def _may_read_for(self, feed) -> bool:
         return feed.read_again_at is None or feed.read_again_at <= self.reactor.seconds()
 
-    def _in_service_order(self) -> list:
+    def _in_service_order(self) -> tuple:
+        """``(realtime, catch_up)``: the open feeds of each kind in the order they are served."""
         realtime, catch_up = [], []
         for feed in list(self._feeds.values()):
             if not feed.connection_open:
@@ -199,7 +213,7 @@ class FeedScheduler:
             (realtime if self.kind_of(feed) is FeedKind.REALTIME else catch_up).append(feed)
         realtime.sort(key=lambda f: (f.next_transaction_id, f.turn))
         catch_up.sort(key=lambda f: f.turn)
-        return realtime + catch_up
+        return realtime, catch_up
 
     def _sendable(self, feed) -> bool:
         return feed.connection.writable and feed.next_transaction_id <= self.high_water_mark
