@@ -35,6 +35,7 @@ def storage(tmp_path):
     with ControlFile.create(directory, KEY, 2, clock=lambda: 1_600_000_000) as control:
         control.update_partition_info(1, session_id=4, low_water_mark=29, local_low_water_mark=29)
         control.set_flag(1, PartitionFlags.ASSIGNED, True)
+        control.raise_session_fence(1, 6)
     records = make_records(0, 30, size=20)
     log = PartitionLog.open(directory, KEY, 1, segment_size_threshold=128 + 9 * (RECORD_OVERHEAD + 20))
     log.append(records)
@@ -67,6 +68,8 @@ def test_dump_control_file(storage, capsys):
     assert "partition 1: session 4, lwm 29, local lwm 29, flags AVAILABLE|ASSIGNED (5)" in out
     assert "struct 0: seq 1, session 4, lwm 29, local lwm 29, flags AVAILABLE (1)" in out
     assert "struct 1: seq 2, session 4, lwm 29, local lwm 29, flags AVAILABLE|ASSIGNED (5)" in out
+    assert "  session fence: 6 (the highest session adopted)" in out
+    assert "  session fence: -1 (the highest session adopted)" in out      # partition 0
     assert "BAD" not in out
 
 

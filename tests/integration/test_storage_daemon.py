@@ -71,6 +71,26 @@ async def test_every_storage_request_over_loopback(store_params, start_storage, 
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_session_fence_survives_kill_9(store_params, start_storage, storage_clients):
+    """docs/replication.md, "Fencing": once a newer store session has been answered (here its vote), an older
+    session's appends stay refused after the storage is killed and restarted. The fence was in memory only:
+    after a restart the old session's server could append again beside a recovery that had already voted."""
+    daemon = start_storage()
+    await assign(storage_clients, daemon, 0)
+    s = await storage_clients.storage(daemon)
+    await s.request(sm.AppendRequest(4, 0, 0, records(0, 3), False))
+    assert (await s.request(sm.MaxTransactionIdRequest(6, 0, 0, False))).transaction_id == 2   # session 6 votes
+    daemon.kill()
+    await threads.deferToThread(daemon.start)
+    s = await storage_clients.storage(daemon)
+    with pytest.raises(RemoteError, match="session 4 is fenced: partition 0 is in session 6"):
+        await s.request(sm.AppendRequest(4, 0, 0, records(3, 1), False))
+    info = await s.request(sm.LastSessionInfoRequest(6, 0, 0, False))
+    assert info.last_session_id == -1      # the session info changes only when a recovery sets its marks
+    assert (await s.request(sm.MaxTransactionIdRequest(6, 0, 0, False))).transaction_id == 2
+
+
+@pytest_twisted.ensureDeferred
 async def test_every_admin_request_over_loopback(store_params, start_storage, storage_clients):
     daemon = start_storage()
     admin = await assign(storage_clients, daemon, 0, 2)

@@ -41,9 +41,9 @@ def flip_byte(path, offset):
         f.write(bytes([value ^ 0xFF]))
 
 
-def test_layout_is_header_then_76_byte_partition_records(control, tmp_path):
+def test_layout_is_header_then_76_byte_partition_records_then_32_byte_fences(control, tmp_path):
     raw = (tmp_path / CONTROL_FILE_NAME).read_bytes()
-    assert len(raw) == 128 + 3 * 76
+    assert len(raw) == 128 + 3 * 76 + 3 * 32
     version, created, key, num_partitions = struct.unpack_from(">iq16si", raw)
     assert (version, created, uuid.UUID(bytes=key), num_partitions) == (0, 1_700_000_000_123, KEY, 3)
     assert raw[32:128] == bytes(96)
@@ -53,6 +53,61 @@ def test_layout_is_header_then_76_byte_partition_records(control, tmp_path):
         body = record[4 + 36 * slot:4 + 36 * slot + 32]
         assert struct.unpack(">qqqii", body) == (-1, -1, -1, 1, seq)
         assert struct.unpack_from(">i", record, 4 + 36 * slot + 32)[0] == checksum(body)
+    fence = raw[128 + 3 * 76 + 32:128 + 3 * 76 + 64]
+    for slot, seq in ((0, -1), (1, 0)):
+        body = fence[16 * slot:16 * slot + 12]
+        assert struct.unpack(">qi", body) == (-1, seq)
+        assert struct.unpack_from(">i", fence, 16 * slot + 12)[0] == checksum(body)
+
+
+def fence_offset(partition_id, slot):
+    return HEADER_SIZE + PARTITION_INFO_SIZE * 3 + 32 * partition_id + 16 * slot
+
+
+def test_a_session_fence_is_durable_alternates_slots_and_never_goes_back(control, tmp_path):
+    assert [control.session_fence(p) for p in range(3)] == [-1, -1, -1]
+    assert control.raise_session_fence(1, 5) == 5
+    assert control.raise_session_fence(1, 4) == 5          # not higher: nothing written
+    assert control.raise_session_fence(1, 7) == 7
+    control.close()
+    raw = (tmp_path / CONTROL_FILE_NAME).read_bytes()
+    slots = [struct.unpack_from(">qi", raw, fence_offset(1, slot)) for slot in (0, 1)]
+    assert slots == [(5, 1), (7, 2)]
+    with ControlFile.open(str(tmp_path)) as reopened:
+        assert [reopened.session_fence(p) for p in range(3)] == [-1, 7, -1]
+        assert reopened.partition_info(1).session_id == -1  # the partition's session info is another matter
+
+
+def test_a_torn_fence_slot_rolls_back_and_a_fence_without_valid_slot_reads_as_none(control, tmp_path):
+    control.raise_session_fence(0, 3)      # slot 0, seq 1
+    control.raise_session_fence(0, 4)      # slot 1, seq 2
+    control.raise_session_fence(2, 9)
+    control.close()
+    path = str(tmp_path / CONTROL_FILE_NAME)
+    flip_byte(path, fence_offset(0, 1) + 2)
+    flip_byte(path, fence_offset(2, 0) + 2)
+    flip_byte(path, fence_offset(2, 1) + 13)
+    with ControlFile.open(str(tmp_path)) as reopened:
+        assert reopened.session_fence(0) == 3
+        assert reopened.session_fence(2) == -1
+        assert reopened.raise_session_fence(2, 10) == 10
+    with ControlFile.open(str(tmp_path)) as again:
+        assert again.session_fence(2) == 10
+
+
+def test_a_control_file_from_before_fences_gets_them_when_opened_for_writing(control, tmp_path):
+    control.update_partition_info(1, session_id=6, low_water_mark=60)
+    control.close()
+    path = tmp_path / CONTROL_FILE_NAME
+    os.truncate(path, 128 + 3 * 76)
+    with ControlFile.open(str(tmp_path), read_only=True) as tool:
+        assert tool.session_fence(1) == -1 and os.path.getsize(path) == 128 + 3 * 76
+    with ControlFile.open(str(tmp_path), KEY, 3) as reopened:
+        assert os.path.getsize(path) == 128 + 3 * 76 + 3 * 32
+        assert reopened.partition_info(1).session_id == 6 and reopened.session_fence(1) == -1
+        reopened.raise_session_fence(1, 8)
+    with ControlFile.open(str(tmp_path)) as again:
+        assert again.session_fence(1) == 8
 
 
 def test_create_then_open_round_trip(control, tmp_path):

@@ -91,6 +91,7 @@ def _print_partition(control, pid: int) -> None:
         print("  struct %d: seq %d, session %d, lwm %d, local lwm %d, flags %s, crc %d %s"
               % (slot, struct.seq_no, struct.session_id, struct.low_water_mark, struct.local_low_water_mark,
                  format_flags(struct.flags), struct.crc, "ok" if struct.valid else "BAD"))
+    print("  session fence: %d (the highest session adopted)" % control.session_fence(pid))
 
 
 def format_flags(flags: int) -> str:

@@ -8,6 +8,9 @@ Layout (big-endian, see ``docs/storage-format.md``)::
         partitionId i32 | struct 0 (36 bytes) | struct 1 (36 bytes)
     struct: sessionId i64 | lwm i64 | localLwm i64 | flags i32 | seqNo i32 | crc i32
             (crc = CRC32C over the first 32 bytes of the struct)
+    numPartitions x session fence (32 bytes each, partition p at 128 + 76 * numPartitions + 32 * p):
+        slot 0 (16 bytes) | slot 1 (16 bytes)
+    slot: sessionId i64 | seqNo i32 | crc i32 (CRC32C over the first 12 bytes of the slot)
 
 A partition's state is updated by writing the *other* struct with ``seqNo + 1``
 and fsyncing, so a torn write can only damage the struct that was being
@@ -15,6 +18,11 @@ written: on open the valid struct with the higher ``seqNo`` wins, and when the
 newest one is damaged the partition rolls back to the previous state. Both
 structs invalid makes that one partition fail (:class:`PartitionInfoCorrupted`)
 while the others keep working.
+
+A partition's *session fence* is the highest store session it adopted: the storage records it, the same
+way in two slots, before it answers that session's first request, so after a restart it still refuses
+the sessions it fenced off. A file written before fences existed gets the section when it is first opened
+for writing; a fence with no valid slot reads as -1 (none recorded).
 
 While a :class:`ControlFile` is open it holds an OS lock (``flock``) on the
 file: exclusive for the daemon, shared for read-only tools, so two daemons can
@@ -56,6 +64,9 @@ _I32 = struct.Struct(">i")
 #: Sequence numbers given to struct 0 and struct 1 of a freshly formatted
 #: partition (as the original): both valid, struct 1 current.
 _INITIAL_SEQ_NOS = (-1, 0)
+FENCE_SLOT_SIZE = 16
+FENCE_RECORD_SIZE = 2 * FENCE_SLOT_SIZE
+_FENCE_BODY = struct.Struct(">qi")        # sessionId, seqNo: the 12 checksummed bytes of a fence slot
 
 
 class PartitionFlags(enum.IntFlag):
@@ -178,6 +189,44 @@ def _struct_offset(partition_id: int, slot: int) -> int:
     return _partition_offset(partition_id) + 4 + STRUCT_SIZE * slot
 
 
+def _fence_offset(num_partitions: int, partition_id: int, slot: int = 0) -> int:
+    return _partition_offset(num_partitions) + FENCE_RECORD_SIZE * partition_id + FENCE_SLOT_SIZE * slot
+
+
+def _encode_fence_slot(session_id: int, seq_no: int) -> bytes:
+    body = _FENCE_BODY.pack(session_id, seq_no)
+    return body + _I32.pack(checksum(body))
+
+
+def _decode_fence_slot(data: bytes):
+    """``(seq_no, session_id)`` of a valid slot, or None."""
+    if len(data) < FENCE_SLOT_SIZE:
+        return None
+    body = data[:_FENCE_BODY.size]
+    if checksum(body) != _I32.unpack_from(data, _FENCE_BODY.size)[0]:
+        return None
+    session_id, seq_no = _FENCE_BODY.unpack(body)
+    return seq_no, session_id
+
+
+#: A partition's fence before any session: both slots hold session -1.
+_INITIAL_FENCE = b"".join(_encode_fence_slot(-1, seq) for seq in _INITIAL_SEQ_NOS)
+
+
+def _fences_size(num_partitions: int) -> int:
+    """The size of a control file with its fence section."""
+    return _fence_offset(num_partitions, num_partitions)
+
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class _Fence:
+    """Which fence slot of a partition is current, and the session it holds."""
+
+    slot: int
+    seq_no: int
+    session_id: int
+
+
 def _format_partition(partition_id: int) -> bytes:
     """The 76 bytes of a freshly formatted partition: both structs hold the initial state."""
     info = PartitionInfo(partition_id)
@@ -204,6 +253,7 @@ class ControlFile:
         self.read_only = read_only
         self._fd = fd
         self._current = {}  # partition id -> _Current, filled on first use
+        self._fences = {}   # partition id -> _Fence, filled on first use
         self._sync_failure = None   # a failed fdatasync makes the file unusable (see SyncFailed)
 
     # -- opening -----------------------------------------------------------------------------
@@ -222,7 +272,8 @@ class ControlFile:
         make_directory_durably(directory)
         path = control_file_path(directory)
         header = ControlFileHeader(FORMAT_VERSION, int(clock() * 1000), key, num_partitions)
-        content = header.encode() + b"".join(_format_partition(p) for p in range(num_partitions))
+        content = (header.encode() + b"".join(_format_partition(p) for p in range(num_partitions))
+                   + _INITIAL_FENCE * num_partitions)
         fd, tmp_path = tempfile.mkstemp(prefix=CONTROL_FILE_NAME + ".", suffix=".tmp", dir=directory)
         try:
             pwrite_all(fd, content, 0)
@@ -262,6 +313,7 @@ class ControlFile:
             control = cls(path, fd, header, read_only)
             if not read_only:
                 _remove_leftover_temporary_files(directory)
+                control._add_missing_fences()
             if key is not None or num_partitions is not None:
                 control.verify(key, num_partitions)
             return control
@@ -360,6 +412,46 @@ class ControlFile:
             self._write(_partition_offset(partition_id), _format_partition(partition_id))
             self._current.pop(partition_id, None)
             return self.partition_info(partition_id)
+
+    # -- session fences -----------------------------------------------------------------------
+
+    def session_fence(self, partition_id: int) -> int:
+        """The highest store session the partition durably adopted (-1: none recorded)."""
+        return self._load_fence(partition_id).session_id
+
+    def raise_session_fence(self, partition_id: int, session_id: int) -> int:
+        """Durably record that the partition adopted ``session_id`` (nothing is written unless it is higher
+        than the fence); returns the fence. The other slot is written with ``seqNo + 1`` and fdatasynced."""
+        current = self._load_fence(partition_id)
+        if session_id <= current.session_id:
+            return current.session_id
+        slot, seq_no = 1 - current.slot, current.seq_no + 1
+        self._write(_fence_offset(self.num_partitions, partition_id, slot), _encode_fence_slot(session_id, seq_no))
+        self._fences[partition_id] = _Fence(slot, seq_no, session_id)
+        return session_id
+
+    def _load_fence(self, partition_id: int) -> _Fence:
+        self._check_partition(partition_id)
+        fence = self._fences.get(partition_id)
+        if fence is None:
+            data = pread_upto(self._fd, FENCE_RECORD_SIZE, _fence_offset(self.num_partitions, partition_id))
+            valid = []
+            for slot in (0, 1):
+                decoded = _decode_fence_slot(data[FENCE_SLOT_SIZE * slot:])
+                if decoded is not None:
+                    valid.append((decoded, slot))
+            if valid:
+                (seq_no, session_id), slot = max(valid)
+                fence = _Fence(slot, seq_no, session_id)
+            else:   # (a read-only open of a file from before fences, or damage: the next write takes slot 0)
+                fence = _Fence(1, -1, -1)
+            self._fences[partition_id] = fence
+        return fence
+
+    def _add_missing_fences(self) -> None:
+        """Give a file written before session fences existed its fence section (every fence -1)."""
+        if file_size(self._fd) < _fences_size(self.num_partitions):
+            self._write(_fence_offset(self.num_partitions, 0), _INITIAL_FENCE * self.num_partitions)
 
     # -- closing -----------------------------------------------------------------------------
 

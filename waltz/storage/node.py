@@ -174,7 +174,9 @@ class StorageNode:
             # The control record first: a partition whose log fails to open still reports its real session and
             # marks (the admin port answered -1 for them, and tools then sent session -1).
             info = yield worker.submit(self.control.partition_info, pid)
-            partition.info, partition.session_id = info, info.session_id
+            fence = yield worker.submit(self.control.session_fence, pid)
+            partition.info, partition.session_id, partition.fenced_session_id = (
+                info, max(info.session_id, fence), fence)
             partition.log = yield worker.submit(self._open_log, pid, info)
         except Exception as exc:
             partition.failure = str(exc)

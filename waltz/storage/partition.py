@@ -14,7 +14,9 @@ Rules (the original's ``Partition.checkPermissions`` and ``receiveMessage``):
 * seed 003's toggles: an unreadable partition refuses reads, an unwritable one
   refuses appends, truncation and low-water mark changes;
 * session fencing: a request from a higher store session makes the partition
-  adopt that session; a request from a lower one is refused.
+  adopt that session; a request from a lower one is refused. The adoption is
+  recorded in the control file (the partition's session fence) before the
+  request runs, so a restart keeps refusing the sessions fenced off.
 """
 
 import enum
@@ -97,6 +99,8 @@ class StoragePartition:
         self.partition_id = partition_id
         self.info = info
         self.session_id = info.session_id
+        #: The session recorded as the partition's fence in the control file (see :meth:`_permitted`).
+        self.fenced_session_id = -1
         self._control = control
         self.worker = worker
         self.log = log
@@ -149,6 +153,10 @@ class StoragePartition:
         append admitted just before ``--offline`` or an unwritable toggle would otherwise still be written
         after the admin tool was told the toggle is done."""
         check_permission(self.info, self.session_id, message, access)
+        if message.session_id > self.fenced_session_id and not getattr(message, "offline", False):
+            # Before the first request of a newer session is answered: a storage that restarted would otherwise
+            # forget the fence and accept the old session's appends again (docs/replication.md, "Fencing").
+            self.fenced_session_id = self._control.raise_session_fence(self.partition_id, message.session_id)
         return method(message)
 
     def _admit(self, message, access):
