@@ -91,8 +91,6 @@ class FeedScheduler:
         self.items_per_turn = items_per_turn
         self.catch_up_chunk = catch_up_chunk
         self.retry_interval = retry_interval
-        #: Items of a turn's first pass the realtime feeds leave to the catch-up feeds while one can send.
-        self.catch_up_share = max(1, items_per_turn // 4)
         self._on_sent = on_sent or (lambda count, from_cache: None)
         self.high_water_mark = -1
         self.closed = False
@@ -199,6 +197,11 @@ class FeedScheduler:
             self._retry_later()
         if budget <= 0 and any(self._sendable(feed) for feed in self._feeds.values()):
             self.wake()
+
+    @property
+    def catch_up_share(self) -> int:
+        """Items of a turn's first pass the realtime feeds leave to the catch-up feeds while one can send."""
+        return max(1, self.items_per_turn // 4)
 
     def _may_read_for(self, feed) -> bool:
         return feed.read_again_at is None or feed.read_again_at <= self.reactor.seconds()
