@@ -319,3 +319,92 @@ def test_an_answer_there_at_the_deadline_is_the_answer_not_a_timeout():
     answered.put("committed")
     assert _wait_for_answer(reactor, answered, 0) == "committed"
     assert _wait_for_answer(reactor, queue.Queue(), 0) is _NO_ANSWER
+
+
+# --- from the review of the blocking layers (2026-11-29) ---------------------------------------------
+
+class _AsyncDefApply(WaltzClientCallbacks):
+    def __init__(self):
+        self.applied = []
+
+    def get_client_high_water_mark(self, partition_id):
+        return -1
+
+    async def apply_transaction(self, transaction):      # a natural mistake with threaded callbacks
+        self.applied.append(transaction.transaction_id)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_threaded_async_def_apply_is_refused_not_counted_applied():
+    # Its coroutine was taken as the result: the transaction counted as applied, and its body never ran.
+    from waltz.client.api import Transaction
+    app = _AsyncDefApply()
+    callbacks = ThreadedCallbacks(app, reactor)
+    try:
+        with pytest.raises(TypeError, match="returned an awaitable from the callbacks' worker thread"):
+            await callbacks.apply_transaction(Transaction(0, 0, 0, ReqId(1, 1, 0, 0), None))
+    finally:
+        callbacks.stop()
+    assert app.applied == []
+
+
+class _FixedData:
+    def fetch_data(self, transaction_id):
+        return defer.succeed(b"payload")
+
+
+class _RecordingDeserializer:
+    def __init__(self):
+        self.threads = []
+
+    def deserialize(self, data):
+        self.threads.append(threading.current_thread().name)
+        return data.upper()
+
+
+@pytest_twisted.ensureDeferred
+async def test_get_data_decodes_in_the_calling_thread_not_on_the_reactor():
+    # A heavy or blocking decode on the reactor stalled every feed and every other blocking call.
+    from waltz.client.api import Transaction
+    serializer, seen = _RecordingDeserializer(), []
+
+    class App(WaltzClientCallbacks):
+        def apply_transaction(self, transaction):
+            seen.append((threading.current_thread().name, transaction.get_data(serializer, timeout=10)))
+
+    callbacks = ThreadedCallbacks(App(), reactor, timeout=10)
+    try:
+        await callbacks.apply_transaction(Transaction(0, 0, 0, ReqId(1, 1, 0, 0), _FixedData()))
+    finally:
+        callbacks.stop()
+    assert [name for name, _ in seen] == serializer.threads and seen[0][1] == b"PAYLOAD"
+    assert serializer.threads != [threading.current_thread().name]       # (the test runs on the reactor)
+
+
+@pytest_twisted.ensureDeferred
+async def test_close_waits_for_a_callback_that_closed_the_client_itself():
+    # The callback's own close() took the worker thread and could not wait for itself; the application's
+    # close() (a with block's exit) then returned at once while the callback still ran.
+    store, server, port, discovery = fake_cluster()
+    store.commit(0, ReqId(99, 1, 0, 0), 5, b"first")
+    made, self_closed, callback_done = threading.Event(), threading.Event(), threading.Event()
+
+    class ClosesThenFinishes(BlockingCallbacks):
+        def apply_transaction(self, transaction):
+            made.wait(20)
+            self.client.close()
+            self_closed.set()
+            threading.Event().wait(0.5)     # then finishes its own work
+            callback_done.set()
+
+    def script():
+        callbacks = ClosesThenFinishes()
+        callbacks.client = BlockingWaltzClient(callbacks, BASE_CONFIG, discovery=discovery, timeout=20)
+        made.set()
+        assert self_closed.wait(20)
+        callbacks.client.close()
+        return callback_done.is_set()
+    try:
+        assert await threads.deferToThread(script), "close() returned while the callback still ran"
+    finally:
+        await port.stopListening()

@@ -503,6 +503,36 @@ def test_apply_transaction_returning_a_deferred_holds_the_next_one(harness):
     assert callbacks.applied_ids(0) == [0, 1] and client.client_high_water_mark(0) == 1
 
 
+class AsyncDefCallbacks(RecordingCallbacks):
+    """An ``async def`` apply that awaits a Deferred the test fires, then records (or raises once)."""
+
+    async def apply_transaction(self, transaction):
+        d = defer.Deferred()
+        self.pending.append((transaction, d))
+        await d
+        if self.fail_next:
+            self.fail_next -= 1
+            raise RuntimeError("async apply failed on purpose")
+        self._record(transaction)
+
+
+def test_an_async_def_apply_runs_and_counts_only_once_it_returned(harness):
+    # Its coroutine was taken as a plain result: the transaction counted as applied, and its body never ran.
+    callbacks = AsyncDefCallbacks()
+    client = harness.client(callbacks)
+    callbacks.fail_next = 1
+    harness.commit(0)
+    harness.commit(0)
+    assert len(callbacks.pending) == 1 and client.client_high_water_mark(0) == -1
+    callbacks.release()                         # the first attempt raises: reported, retried later
+    assert [e[:2] for e in callbacks.errors] == [(0, 0)] and client.client_high_water_mark(0) == -1
+    harness.settle(0.1)
+    callbacks.release()
+    assert callbacks.applied_ids(0) == [0] and client.client_high_water_mark(0) == 0
+    callbacks.release()
+    assert callbacks.applied_ids(0) == [0, 1] and client.client_high_water_mark(0) == 1
+
+
 def test_a_failed_apply_is_reported_and_retried_with_back_off(harness):
     callbacks = RecordingCallbacks()
     client = harness.client(callbacks)

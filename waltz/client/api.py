@@ -123,7 +123,9 @@ def _serialize(value, serializer):
     return data
 
 
-def _deserialize(data, serializer):
+def deserialize(data, serializer):
+    """``data`` turned into the application's value by ``serializer`` (its ``deserialize`` method, or itself
+    called), or the bytes themselves when there is none."""
     if serializer is None:
         return data
     return serializer.deserialize(data) if hasattr(serializer, "deserialize") else serializer(data)
@@ -325,7 +327,7 @@ class Transaction:
         from the server over the RPC connection and checked against its CRC32C."""
         if self.reader is None:
             raise RuntimeError("this Transaction has no data reader")
-        return self.reader.fetch_data(self.transaction_id).addCallback(_deserialize, serializer)
+        return self.reader.fetch_data(self.transaction_id).addCallback(deserialize, serializer)
 
 
 @attr.s(frozen=True, slots=True, auto_attribs=True)

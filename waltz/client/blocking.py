@@ -14,6 +14,7 @@ marked ``runs_on_reactor = True``) are used as they are. Transaction contexts'
 methods always run on the reactor thread and must be quick.
 """
 
+import inspect
 import queue
 import threading
 import time
@@ -25,7 +26,7 @@ from twisted.python import threadable
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from waltz.client.api import IWaltzClientCallbacks
+from waltz.client.api import IWaltzClientCallbacks, deserialize
 from waltz.client.client import WaltzClient
 from waltz.client.workers import WorkerThread
 
@@ -161,21 +162,28 @@ class BlockingTransaction:
         return self.transaction.req_id
 
     def get_data(self, serializer=None, timeout=None):
-        """The transaction's data (deserialized by ``serializer`` when given); blocks, at most
-        ``timeout`` seconds (default: the facade's)."""
-        return call_blocking(self.reactor, self.transaction.get_data, serializer,
+        """The transaction's data (deserialized by ``serializer`` when given, in the calling thread: the
+        application's decoding never runs on the reactor); blocks, at most ``timeout`` seconds (default:
+        the facade's)."""
+        data = call_blocking(self.reactor, self.transaction.get_data, None,
                              timeout=timeout if timeout is not None else self.timeout)
+        return deserialize(data, serializer)
 
 
 def _not_deferred(callback, *args):
-    """``callback(*args)`` in the worker thread; :class:`TypeError` if it returned a Deferred. A callback
-    run there must block until it is done: a Deferred would count the transaction applied before it fired,
-    and its failure would be lost (callbacks that return Deferreds run on the reactor: ``runs_on_reactor``)."""
+    """``callback(*args)`` in the worker thread; :class:`TypeError` if it returned a Deferred or an awaitable
+    (the coroutine of an ``async def`` callback, closed unrun). A callback run there must block until it is
+    done: a Deferred would count the transaction applied before it fired, and its failure would be lost; a
+    coroutine would count it applied without running at all (callbacks that return Deferreds or are
+    ``async def`` run on the reactor: ``runs_on_reactor``)."""
     result = callback(*args)
-    if isinstance(result, defer.Deferred):
-        raise TypeError("%s returned a Deferred from the callbacks' worker thread: block until done instead "
-                        "(or set runs_on_reactor on callbacks that return Deferreds)"
-                        % getattr(callback, "__qualname__", callback))
+    if isinstance(result, defer.Deferred) or inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()
+        raise TypeError("%s returned %s from the callbacks' worker thread: block until done instead "
+                        "(or set runs_on_reactor on callbacks that return Deferreds or are async def)"
+                        % (getattr(callback, "__qualname__", callback),
+                           "a Deferred" if isinstance(result, defer.Deferred) else "an awaitable"))
     return result
 
 
@@ -337,9 +345,9 @@ class BlockingWaltzClient:
         try:
             self._call(self._close_client)
         finally:
-            threaded, self._threaded = self._threaded, None
-            if threaded is not None:
-                threaded.stop(self.timeout)
+            if self._threaded is not None:
+                # (Kept: a close() made while a callback that called close() itself still runs must wait too.)
+                self._threaded.stop(self.timeout)
 
     def _close_client(self):
         """On the reactor thread, after any start queued before: close the client if it exists."""

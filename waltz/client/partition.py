@@ -34,6 +34,7 @@ high-water mark request, which such a server leaves unanswered.
 
 import enum
 import itertools
+import types
 from collections import deque
 
 import attr
@@ -67,6 +68,14 @@ class PartitionState(enum.Enum):
 
 #: States in which the partition has sent (or is about to resend) a mount on its stream connection.
 _ON_SERVER = (PartitionState.MOUNTING, PartitionState.MOUNT_RETRY, PartitionState.MOUNTED)
+
+
+def _still_running(result):
+    """What ``apply_transaction`` returned, with the coroutine of an ``async def`` apply turned into the
+    Deferred that runs it (taken as a plain result, the transaction counted as applied and its body never ran)."""
+    if type(result) is types.CoroutineType:
+        return defer.Deferred.fromCoroutine(result)
+    return result
 
 
 @attr.s(slots=True)
@@ -385,7 +394,8 @@ class ClientPartition:
         submission = self._start_applying(req_id, txn, True)
         failure = None
         try:
-            result = self._callbacks.apply_transaction(Transaction(self.partition_id, txn, header, req_id, self))
+            result = _still_running(
+                self._callbacks.apply_transaction(Transaction(self.partition_id, txn, header, req_id, self)))
         except Exception:
             failure = Failure()
             result = None
@@ -512,7 +522,7 @@ class ClientPartition:
         # Called directly rather than through maybeDeferred: the usual apply is synchronous, and
         # two Deferreds per item per client were a large share of the client's CPU per transaction.
         try:
-            result = self._callbacks.apply_transaction(transaction)
+            result = _still_running(self._callbacks.apply_transaction(transaction))
         except Exception:
             self._apply_failed(Failure(), item)
             return

@@ -28,6 +28,8 @@ class WorkerThread:
         self._pool.threadFactory = _daemon_thread
         self._pool.start()
         self._stopping = False
+        self._stopper = None            # the thread stopping the pool, once stop() was called
+        self._stopper_lock = threading.Lock()
 
     def run(self, function, *args):
         """Run ``function(*args)`` in the worker thread; a Deferred of its result (a failure once the
@@ -52,20 +54,18 @@ class WorkerThread:
     def stop(self, timeout=None):
         """Stop the thread once its current call returns; no later call runs. Blocks until then, at
         most ``timeout`` seconds (None: no limit; :class:`TimeoutError` after it, the thread being
-        left to finish its call), unless called from the thread itself, which cannot wait for itself."""
+        left to finish its call), unless called from the thread itself, which cannot wait for itself.
+        Every call waits so, a call made after the worker itself asked to stop included."""
         self._stopping = True
+        with self._stopper_lock:
+            if self._stopper is None:
+                self._stopper = threading.Thread(target=self._pool.stop, name="%s-stop" % self._pool.name,
+                                                 daemon=True)
+                self._stopper.start()
+            stopper = self._stopper
         if self.in_worker():
-            self._stop_in_helper_thread()
-        elif timeout is None:
-            self._pool.stop()
-        else:
-            stopper = self._stop_in_helper_thread()
-            stopper.join(timeout)
-            if stopper.is_alive():
-                raise TimeoutError("the %s thread did not finish its current call within %s s"
-                                   % (self._pool.name, timeout))
-
-    def _stop_in_helper_thread(self):
-        stopper = threading.Thread(target=self._pool.stop, name="%s-stop" % self._pool.name, daemon=True)
-        stopper.start()
-        return stopper
+            return
+        stopper.join(timeout)
+        if stopper.is_alive():
+            raise TimeoutError("the %s thread did not finish its current call within %s s"
+                               % (self._pool.name, timeout))
