@@ -769,6 +769,30 @@ def test_pending_data_requests_are_sent_again_after_a_reconnect(harness):
     assert d.result == b"x"
 
 
+def test_a_data_request_left_unanswered_is_sent_again_after_the_long_wait_threshold(harness):
+    # A server that took the request and never answered, its connection staying up, held every apply that
+    # needed the data for as long as that connection lived: a fetch joined by later callers sent nothing new.
+    harness.commit(0, data=b"late")
+    client = harness.client()
+    answer, dropped = harness.server_a.on_TransactionDataRequest, []
+
+    def drop_the_first(proto, message):
+        if dropped:
+            answer(proto, message)
+        else:
+            dropped.append(message)
+    harness.server_a.on_TransactionDataRequest = drop_the_first
+    d = client.get_transaction_data(0, 0)
+    harness.settle(2)
+    assert not d.called and len(dropped) == 1
+    joined = client.get_transaction_data(0, 0)
+    harness.settle(2)
+    assert not joined.called and len(harness.server_a.messages(m.TransactionDataRequest)) == 1
+    harness.settle(3.5)         # (the nudge runs every half long-wait threshold: 2.5 s)
+    assert d.result == joined.result == b"late"
+    assert len(harness.server_a.messages(m.TransactionDataRequest)) == 2
+
+
 def test_high_water_marks(harness):
     harness.commit(0)
     harness.commit(0)

@@ -123,6 +123,7 @@ class _DataFetch:
     bad_checksums = attr.ib(default=0)
     misrouted = attr.ib(default=0)     #: answers "not served here" (the request went to the wrong server)
     refusals = attr.ib(default=0)      #: answers "try again later" (the server could not read it right now)
+    sent_at = attr.ib(default=None)    #: reactor time of the last request sent (None: none sent yet)
 
 
 class ClientPartition:
@@ -892,7 +893,7 @@ class ClientPartition:
     def nudge(self, now):
         """Send a FLUSH when pending appends made no progress within ``client.longWaitThreshold``; ask
         for the high-water mark again when it has been unanswered that long (a server that does not
-        serve the partition drops the request)."""
+        serve the partition drops the request), and for a transaction's data likewise."""
         if len(self.monitor) and now - self.monitor.last_progress >= self._settings.long_wait_threshold:
             log.debug("partition {pid}: no progress for {seconds} s; flushing", pid=self.partition_id,
                       seconds=now - self.monitor.last_progress)
@@ -903,6 +904,14 @@ class ClientPartition:
                      pid=self.partition_id, seconds=now - self._hwm_sent_at)
             self._misrouted()
             self._send_hwm_request()
+        unanswered = [(transaction_id, fetch.sent_at) for transaction_id, fetch in self._fetches.items()
+                      if fetch.sent_at is not None and now - fetch.sent_at >= self._settings.long_wait_threshold]
+        if unanswered:
+            log.info("partition {pid}: data of {count} transaction(s) unanswered for {seconds} s; asking again",
+                     pid=self.partition_id, count=len(unanswered), seconds=now - min(t for _, t in unanswered))
+            self._misrouted()
+            for transaction_id, _ in unanswered:
+                self._send_data_request(transaction_id)
 
     def _send_flush(self):
         req_id = self.monitor.last_req_id
@@ -928,6 +937,7 @@ class ClientPartition:
     def _send_data_request(self, transaction_id):
         if self.rpc is not None and self.rpc.ready:
             self.rpc.send(m.TransactionDataRequest(self.next_req_id(), transaction_id))
+            self._fetches[transaction_id].sent_at = self._clock.seconds()
 
     def high_water_mark(self):
         """A Deferred firing with the partition's current high-water mark, asked over RPC."""
