@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 import pytest_twisted
-from twisted.internet import defer, endpoints, reactor
+from twisted.internet import defer, endpoints, reactor, threads
 
 from waltz.protocols import admin_messages as am
 from waltz.protocols import storage_messages as sm
@@ -559,3 +559,89 @@ async def test_append_metrics_are_updated_on_the_reactor_thread_once_the_append_
     assert threads == [threading.current_thread().name] and not threads[0].startswith("waltz-disk")
     assert harness.node.metrics.records.value(1) == 5
     assert harness.node.metrics.append_batch.count(1) == 1
+
+
+# --- the durable session fence (docs/replication.md, "Fencing") ------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_offline_tools_still_ask_in_the_recorded_session_after_a_newer_session_was_fenced(tmp_path):
+    # Session 6's recovery asked this replica for its vote (fence 6; its control record still names 5), then the
+    # operator marked the partition offline and restarted the node. `waltz storage max-transaction-id --offline`
+    # asks in the admin port's last session, 5: it was refused for good, since an offline partition never lets
+    # session 6 set its marks. A request that changes something is still refused in that session.
+    directory = str(tmp_path / "storage")
+    first = Harness(directory)
+    await first.start()
+    try:
+        admin = await assign(first, 0)
+        s = await first.connect()
+        await s.request(sm.SetLowWaterMarkRequest(5, 0, 0, -1, False))
+        await s.request(sm.LastSessionInfoRequest(6, 0, 0, False))
+        await admin.request(am.PartitionAvailableRequest(0, (0,), False))
+    finally:
+        await first.stop()
+    second = Harness(directory)
+    await second.start()
+    try:
+        admin = await second.connect(admin=True)
+        assert (await admin.request(am.LastSessionInfoRequest(0, 0))).last_session_id == 5
+        s = await second.connect()
+        assert (await s.request(sm.MaxTransactionIdRequest(5, 0, 0, True))).transaction_id == -1
+        assert (await s.request(sm.MaxTransactionIdRequest(6, 0, 0, True))).transaction_id == -1
+        with pytest.raises(RemoteError, match="offline request of session 5 refused: partition 0 is in session 6"):
+            await s.request(sm.TruncateRequest(5, 0, 0, -1, True))
+        with pytest.raises(RemoteError, match="offline request of session 4 refused"):
+            await s.request(sm.MaxTransactionIdRequest(4, 0, 0, True))
+    finally:
+        await second.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_offline_request_is_answered_only_once_its_session_is_fenced(tmp_path):
+    # A session-6 request admitted as the partition went offline was refused on the worker before any fence was
+    # written, yet the partition was in session 6 in memory: an offline request of session 6 was then answered
+    # with the durable fence still at -1.
+    from waltz.storage.controlfile import PartitionFlags
+    node = StorageNode(str(tmp_path), reactor)
+    await node.open(KEY, PARTITIONS)
+    try:
+        await node.assign([0], True)
+        offline = node.set_flag([0], PartitionFlags.AVAILABLE, False)
+        refused = node.partition(0).handle(sm.LastSessionInfoRequest(6, 0, 0, False))
+        await offline
+        with pytest.raises(Exception, match="not available"):
+            await refused
+        await node.partition(0).handle(sm.MaxTransactionIdRequest(6, 0, 0, True))
+        assert await threads.deferToThread(node.control.session_fence, 0) == 6
+    finally:
+        await node.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_fences_touch_the_control_file_only_off_the_reactor_and_survive_a_partition_s_deletion(
+        tmp_path, monkeypatch):
+    from waltz.storage import controlfile
+    on_reactor = []
+    for name in ("datasync", "pwrite_all", "pread_upto", "file_size"):
+        def wrapper(*args, _original=getattr(controlfile, name), _name=name):
+            if threading.current_thread() is threading.main_thread():
+                on_reactor.append(_name)
+            return _original(*args)
+        monkeypatch.setattr(controlfile, name, wrapper)
+    h = Harness(str(tmp_path / "storage"))
+    await h.start()
+    try:
+        admin = await assign(h, 0, 1)
+        s = await h.connect()
+        for session in (3, 4, 5):
+            await s.request(sm.LastSessionInfoRequest(session, 0, 0, False))
+            await s.request(sm.LastSessionInfoRequest(session, 0, 1, False))
+        await admin.request(am.LastSessionInfoRequest(0, 0))
+        await admin.request(am.PartitionAssignmentRequest(0, (1,), False, True))    # unassigned, files deleted
+        await admin.request(am.PartitionAssignmentRequest(0, (1,), True, False))
+        with pytest.raises(RemoteError, match="session 4 is fenced"):
+            await s.request(sm.AppendRequest(4, 0, 1, (), False))
+    finally:
+        await h.stop()
+    assert on_reactor == []

@@ -311,11 +311,11 @@ class ControlFile:
             _lock(fd, directory, shared=read_only)
             header = _read_header(fd, path)
             control = cls(path, fd, header, read_only)
+            if key is not None or num_partitions is not None:
+                control.verify(key, num_partitions)     # (before anything is written to another cluster's file)
             if not read_only:
                 _remove_leftover_temporary_files(directory)
                 control._add_missing_fences()
-            if key is not None or num_partitions is not None:
-                control.verify(key, num_partitions)
             return control
         except BaseException:
             os.close(fd)

@@ -76,7 +76,11 @@ def check_permission(info, current_session_id, message, access):
     if offline:
         if info.available:
             raise PartitionRefused("partition %d is available: offline requests are refused" % pid)
-        if message.session_id != current_session_id:
+        # Also in the session the partition's control record names (what the admin port reports and the tools
+        # ask in), for requests that change nothing: after a newer session's fence, the record stays behind it
+        # until that session sets its marks, which an offline partition never lets it do.
+        recorded = message.session_id == info.session_id and access is not Access.WRITE
+        if message.session_id != current_session_id and not recorded:
             raise PartitionRefused("offline request of session %d refused: partition %d is in session %d"
                                    % (message.session_id, pid, current_session_id))
     elif not info.available:
@@ -153,9 +157,10 @@ class StoragePartition:
         append admitted just before ``--offline`` or an unwritable toggle would otherwise still be written
         after the admin tool was told the toggle is done."""
         check_permission(self.info, self.session_id, message, access)
-        if message.session_id > self.fenced_session_id and not getattr(message, "offline", False):
-            # Before the first request of a newer session is answered: a storage that restarted would otherwise
-            # forget the fence and accept the old session's appends again (docs/replication.md, "Fencing").
+        if message.session_id > self.fenced_session_id:
+            # Before the first request of a newer session is answered (an offline one included): a storage that
+            # restarted would otherwise forget the fence and accept the old session's appends again
+            # (docs/replication.md, "Fencing").
             self.fenced_session_id = self._control.raise_session_fence(self.partition_id, message.session_id)
         return method(message)
 
