@@ -116,10 +116,12 @@ def test_every_blocking_call_refuses_the_reactor_thread():
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_callback_may_close_the_client_from_its_worker_thread():
+async def test_a_callback_may_close_the_client_from_its_worker_thread_and_other_closes_wait_for_it():
+    # The application's own close() (a with block's exit) used to return at once while the callback that had
+    # closed the client still ran: the callback's close() took the worker thread and cannot wait for itself.
     store, server, port, discovery = fake_cluster()
     store.commit(0, ReqId(99, 1, 0, 0), 5, b"first")
-    closed, made = threading.Event(), threading.Event()
+    closed, made, finished = threading.Event(), threading.Event(), threading.Event()
     errors = []
 
     class Closing(BlockingCallbacks):
@@ -130,18 +132,22 @@ async def test_a_callback_may_close_the_client_from_its_worker_thread():
             except Exception as exc:        # before the fix: "cannot join current thread"
                 errors.append(exc)
             closed.set()
+            threading.Event().wait(0.5)     # then finishes its own work
+            finished.set()
 
     def script():
         callbacks = Closing()
         callbacks.client = BlockingWaltzClient(callbacks, BASE_CONFIG, discovery=discovery, timeout=20)
         made.set()
         assert closed.wait(20)
-        return callbacks.client
+        callbacks.client.close()
+        return callbacks.client, finished.is_set()
     try:
-        client = await threads.deferToThread(script)
+        client, finished_when_closed = await threads.deferToThread(script)
     finally:
         await port.stopListening()
     assert errors == [] and client.client.state.value == "closed"
+    assert finished_when_closed, "close() returned while the callback still ran"
 
 
 def test_a_failed_constructor_leaves_no_thread_behind():
@@ -379,32 +385,3 @@ async def test_get_data_decodes_in_the_calling_thread_not_on_the_reactor():
         callbacks.stop()
     assert [name for name, _ in seen] == serializer.threads and seen[0][1] == b"PAYLOAD"
     assert serializer.threads != [threading.current_thread().name]       # (the test runs on the reactor)
-
-
-@pytest_twisted.ensureDeferred
-async def test_close_waits_for_a_callback_that_closed_the_client_itself():
-    # The callback's own close() took the worker thread and could not wait for itself; the application's
-    # close() (a with block's exit) then returned at once while the callback still ran.
-    store, server, port, discovery = fake_cluster()
-    store.commit(0, ReqId(99, 1, 0, 0), 5, b"first")
-    made, self_closed, callback_done = threading.Event(), threading.Event(), threading.Event()
-
-    class ClosesThenFinishes(BlockingCallbacks):
-        def apply_transaction(self, transaction):
-            made.wait(20)
-            self.client.close()
-            self_closed.set()
-            threading.Event().wait(0.5)     # then finishes its own work
-            callback_done.set()
-
-    def script():
-        callbacks = ClosesThenFinishes()
-        callbacks.client = BlockingWaltzClient(callbacks, BASE_CONFIG, discovery=discovery, timeout=20)
-        made.set()
-        assert self_closed.wait(20)
-        callbacks.client.close()
-        return callback_done.is_set()
-    try:
-        assert await threads.deferToThread(script), "close() returned while the callback still ran"
-    finally:
-        await port.stopListening()
